@@ -1,0 +1,73 @@
+"""`deepinfer-jax info`: what a model and an engine config resolve to, without loading any weights.
+
+Works on real-shape configs with unknown (`null`) values too: sizing needs only the shapes, and every value that
+is still missing is listed rather than guessed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import yaml
+from absl import flags
+
+from deepinfer_jax import config as config_lib
+from deepinfer_jax.cli import common
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+    common.define_config_flags(fv)
+    flags.DEFINE_enum("format", "text", ["text", "json"], "output format", flag_values=fv)
+
+
+def _builtin_table() -> list[dict[str, str]]:
+    from deepinfer_jax.models import builtin
+
+    return [
+        {"name": n, "family": builtin.get_builtin(n).family, "description": builtin.get_builtin(n).description}
+        for n in builtin.list_builtin()
+    ]
+
+
+def collect(fv: flags.FlagValues) -> dict[str, Any]:
+    """Everything `info` reports, as a json-able dict (tests read this)."""
+    from deepinfer_jax import cache
+
+    _, builtin_name = common.resolve_model(fv.model)
+    cfg = common.config_from_flags(fv)
+    out: dict[str, Any] = {}
+    if cfg.model is None:
+        out["builtin_models"] = _builtin_table()
+        out["engine"] = config_lib.config_to_dict(cfg)
+        return out
+    model = cfg.model
+    out["model"] = {
+        "source": fv.model or fv.config,
+        "builtin": builtin_name,
+        "weights": "random (built-in test model)" if builtin_name else "from the checkpoint",
+        "family": model.family,
+        "missing_fields": list(model.missing_fields()),
+    }
+    out["record_bytes_per_token"] = dict(cache.record_bytes(model))
+    kv = cache.kv_bytes_per_token(model)
+    out["kv_bytes_per_token"] = float(kv)
+    out["engine"] = config_lib.config_to_dict(cfg)
+    return out
+
+
+def main(argv: list[str], fv: flags.FlagValues) -> int:
+    if len(argv) > 1:
+        print(f"deepinfer-jax info: unexpected arguments {argv[1:]!r}", file=sys.stderr)
+        return 2
+    try:
+        report = collect(fv)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"deepinfer-jax info: error: {e}", file=sys.stderr)
+        return 2
+    if fv.format == "json":
+        print(json.dumps(report, indent=2, sort_keys=True, default=str))
+    else:
+        print(yaml.safe_dump(report, sort_keys=False, default_flow_style=None, width=110).rstrip())
+    return 0

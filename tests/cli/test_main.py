@@ -1,0 +1,142 @@
+"""The absl command line: subcommand dispatch, help, errors, and `info`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deepinfer_jax.cli import main as cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    rc = cli.main(["deepinfer-jax", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_top_level_help_lists_subcommands(capsys):
+    rc, out, _ = run_cli(capsys, "--help")
+    assert rc == 0
+    assert "usage: deepinfer-jax SUBCOMMAND" in out
+    for name in cli.subcommands():
+        assert name in out
+
+
+def test_no_arguments_prints_usage_and_fails(capsys):
+    rc, _, err = run_cli(capsys)
+    assert rc == 2
+    assert "usage" in err
+
+
+def test_unknown_subcommand_is_a_clear_error(capsys):
+    rc, _, err = run_cli(capsys, "inof")
+    assert rc == 2
+    assert "unknown subcommand 'inof'" in err
+    assert "did you mean 'info'" in err
+
+
+def test_flag_before_subcommand_is_refused(capsys):
+    rc, _, err = run_cli(capsys, "--model", "tiny-v41")
+    assert rc == 2
+    assert "expected a subcommand" in err
+
+
+def test_unknown_flag_is_a_clear_error(capsys):
+    rc, _, err = run_cli(capsys, "info", "--modle", "tiny-v41")
+    assert rc == 2
+    assert "modle" in err
+    assert "info --help" in err
+
+
+def test_subcommand_help(capsys):
+    rc, out, _ = run_cli(capsys, "info", "--help")
+    assert rc == 0
+    assert "--model" in out and "--gin_binding" in out and "--set" in out
+    rc2, out2, _ = run_cli(capsys, "help", "info")
+    assert rc2 == 0 and out2 == out
+
+
+def test_register_subcommand_conflict():
+    with pytest.raises(ValueError, match="already registered"):
+        cli.register_subcommand("info", "some.other.module", "x")
+
+
+def info_json(capsys, *args: str) -> dict:
+    rc, out, err = run_cli(capsys, "info", "--format", "json", *args)
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def test_info_tiny_v41(capsys):
+    report = info_json(capsys, "--model", "tiny-v41")
+    model = report["model"]
+    assert model["family"] == "deepseek_v41"
+    assert model["builtin"] == "tiny-v41"
+    assert "random" in model["weights"]
+    # head_dim 128 / index_head_dim 128 in the tiny config: MXFP8 window = 128 + 4 scale bytes, FP4 compressed =
+    # 64 code bytes + 8 E4M3 scales, MXFP4 indexer = 64 + 4.
+    assert report["record_bytes_per_token"] == {"window": 132, "compressed": 72, "indexer": 68}
+    assert report["engine"]["model"]["num_hidden_layers"] == 7
+
+
+def test_info_real_shape_reports_sizes_and_missing_values(capsys):
+    report = info_json(capsys, "--model", str(ROOT / "configs" / "deepseek_v41_flash.yaml"))
+    assert report["record_bytes_per_token"] == {"window": 528, "compressed": 288, "indexer": 68}
+    assert "rope_theta" in " ".join(report["model"]["missing_fields"])
+    assert report["kv_bytes_per_token"] > 0
+
+
+def test_info_overrides_have_top_priority(capsys):
+    report = info_json(
+        capsys,
+        "--model",
+        "tiny-v41",
+        "--gin_binding",
+        "scheduler.max_num_seqs = 4",
+        "--set",
+        "scheduler.max_num_seqs=8",
+    )
+    assert report["engine"]["scheduler"]["max_num_seqs"] == 8
+    report = info_json(capsys, "--model", "tiny-v41", "--gin_binding", "scheduler.max_num_seqs = 4")
+    assert report["engine"]["scheduler"]["max_num_seqs"] == 4
+
+
+def test_info_bad_input_names_the_problem(capsys):
+    rc, _, err = run_cli(capsys, "info", "--model", "no-such-model")
+    assert rc == 2
+    assert "no-such-model" in err and "tiny-v41" in err
+    rc, _, err = run_cli(capsys, "info", "--model", "tiny-v41", "--set", "cache.block_size")
+    assert rc == 2
+    assert "KEY=VALUE" in err
+
+
+def test_info_without_model_lists_builtins(capsys):
+    report = info_json(capsys)
+    names = {m["name"] for m in report["builtin_models"]}
+    assert names == {"tiny-v3", "tiny-v4", "tiny-v41"}
+    assert all("random" in m["description"] for m in report["builtin_models"])
+
+
+def test_python_dash_m_entry_point():
+    res = subprocess.run(
+        [sys.executable, "-m", "deepinfer_jax", "info", "--model", "tiny-v3", "--format", "json"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+    )
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["model"]["family"] == "deepseek_v3"
+
+
+def test_console_script_is_declared():
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["deepinfer-jax"] == "deepinfer_jax.cli.main:run"
