@@ -1,0 +1,68 @@
+"""Hot ops: one reference (``jnp``/``lax``) implementation each, plus per-backend alternatives chosen at trace time.
+
+Importing this package registers every op in :data:`default_registry`; model code selects implementations with
+:func:`select` / :func:`select_from` (or calls them through :func:`call`) instead of branching on the platform.
+See ``docs/ops.md``.
+"""
+
+from deepinfer_jax.ops.registry import (
+    AUTO,
+    KNOWN_BACKENDS,
+    KNOWN_PLATFORMS,
+    REFERENCE,
+    BackendUnavailableError,
+    OpRegistry,
+    Selected,
+    call,
+    default_registry,
+    describe,
+    get,
+    list_ops,
+    normalize_platform,
+    register_impl,
+    register_op,
+    select,
+    select_from,
+)
+from deepinfer_jax.ops.rmsnorm import rms_norm
+from deepinfer_jax.ops.rope import (
+    RopeParams,
+    YarnParams,
+    apply_rope,
+    rope_cos_sin,
+    rope_frequencies,
+    yarn_correction_range,
+    yarn_magnitude,
+    yarn_mscale,
+    yarn_softmax_scale_correction,
+)
+
+__all__ = [
+    "AUTO",
+    "KNOWN_BACKENDS",
+    "KNOWN_PLATFORMS",
+    "REFERENCE",
+    "BackendUnavailableError",
+    "OpRegistry",
+    "RopeParams",
+    "Selected",
+    "YarnParams",
+    "apply_rope",
+    "call",
+    "default_registry",
+    "describe",
+    "get",
+    "list_ops",
+    "normalize_platform",
+    "register_impl",
+    "register_op",
+    "rms_norm",
+    "rope_cos_sin",
+    "rope_frequencies",
+    "select",
+    "select_from",
+    "yarn_correction_range",
+    "yarn_magnitude",
+    "yarn_mscale",
+    "yarn_softmax_scale_correction",
+]
