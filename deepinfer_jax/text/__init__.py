@@ -1,0 +1,36 @@
+"""Text side of the engine: tokenizers, incremental detokenization and the synthetic test tokenizer.
+
+Nothing here imports jax: tokenization runs on the host, in the engine's output-processing thread.
+"""
+
+from deepinfer_jax.text.detokenize import IncrementalDetokenizer
+from deepinfer_jax.text.synthetic import (
+    MAX_SYNTHETIC_VOCAB_SIZE,
+    MIN_SYNTHETIC_VOCAB_SIZE,
+    SYNTHETIC_MARKER,
+    SYNTHETIC_SPECIAL_TOKENS,
+    build_synthetic_tokenizer,
+    write_synthetic_tokenizer,
+)
+from deepinfer_jax.text.tokenizer import (
+    DEEPSEEK_BOS_TOKEN,
+    DEEPSEEK_EOS_TOKEN,
+    DEEPSEEK_PAD_TOKEN,
+    Tokenizer,
+    load_deepseek_v4_tokenizer,
+)
+
+__all__ = [
+    "DEEPSEEK_BOS_TOKEN",
+    "DEEPSEEK_EOS_TOKEN",
+    "DEEPSEEK_PAD_TOKEN",
+    "MAX_SYNTHETIC_VOCAB_SIZE",
+    "MIN_SYNTHETIC_VOCAB_SIZE",
+    "SYNTHETIC_MARKER",
+    "SYNTHETIC_SPECIAL_TOKENS",
+    "IncrementalDetokenizer",
+    "Tokenizer",
+    "build_synthetic_tokenizer",
+    "load_deepseek_v4_tokenizer",
+    "write_synthetic_tokenizer",
+]
