@@ -36,7 +36,7 @@ def main() -> int:
     ids = tok.encode(args.prompt, add_bos=True)
     print(f"[demo] prompt {args.prompt!r} -> {len(ids)} token ids: {ids}")
     detok = IncrementalDetokenizer(tok)
-    text = "".join(detok.add(i) for i in ids) + detok.finish()
+    text = "".join(detok.push(i) for i in ids) + detok.finish()
     print(f"[demo] streamed back: {text!r}")
 
     try:

@@ -73,7 +73,11 @@ def test_no_empty_or_stub_modules():
             assert tree.body, f"{path.relative_to(ROOT)} is empty"
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                body = [n for n in node.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+                body = [
+                    n
+                    for n in node.body
+                    if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))
+                ]
                 assert not (len(body) == 1 and isinstance(body[0], ast.Pass)), (
                     f"{path.relative_to(ROOT)}:{node.lineno} {node.name} is a pass-bodied stub"
                 )
@@ -99,7 +103,7 @@ def _fake_python_env(tmp_path: Path, *, shim_works: bool, with_pyenv: bool) -> d
             (root / "versions" / version / "bin" / "python").symlink_to(sys.executable)
         (root / "versions" / "3.11.7" / "bin").mkdir(parents=True)
         pyenv = bindir / "pyenv"
-        pyenv.write_text(f"#!/bin/sh\n[ \"$1\" = root ] && echo {root}\n")
+        pyenv.write_text(f'#!/bin/sh\n[ "$1" = root ] && echo {root}\n')
         pyenv.chmod(0o755)
     tools = tmp_path / "tools"
     tools.mkdir()

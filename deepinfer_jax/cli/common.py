@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
 from absl import flags
 
 from deepinfer_jax import config as config_lib
@@ -37,21 +36,6 @@ def define_config_flags(fv: flags.FlagValues, *, model_required: bool = False) -
     )
 
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """`["a.b=1", "c=x"]` -> `{"a.b": 1, "c": "x"}`; values are parsed as yaml scalars/lists."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ValueError(f"--set expects KEY=VALUE (e.g. cache.block_size=64), got {item!r}")
-        try:
-            out[key] = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError as e:
-            raise ValueError(f"--set {key}: value {raw!r} is not valid yaml: {e}") from e
-    return out
-
-
 def resolve_model(name_or_path: str | None) -> tuple[str | None, str | None]:
     """Map a built-in model name to its yaml config; returns (path, builtin name or None)."""
     if name_or_path is None:
@@ -62,13 +46,15 @@ def resolve_model(name_or_path: str | None) -> tuple[str | None, str | None]:
         return str(builtin.get_builtin(name_or_path).yaml_path), name_or_path
     if not Path(name_or_path).exists():
         known = ", ".join(builtin.list_builtin())
-        raise ValueError(f"--model: {name_or_path!r} is neither a built-in model ({known}) nor an existing path")
+        raise ValueError(
+            f"--model: {name_or_path!r} is neither a built-in model ({known}) nor an existing path"
+        )
     return name_or_path, None
 
 
 def config_from_flags(fv: flags.FlagValues, **extra_overrides: Any) -> config_lib.EngineConfig:
     model_path, _ = resolve_model(fv.model)
-    overrides = parse_overrides(fv.set)
+    overrides = config_lib.parse_overrides(fv.set)
     overrides.update({k: v for k, v in extra_overrides.items() if v is not None})
     return config_lib.load_config(
         model_path,

@@ -26,7 +26,11 @@ def _builtin_table() -> list[dict[str, str]]:
     from deepinfer_jax.models import builtin
 
     return [
-        {"name": n, "family": builtin.get_builtin(n).family, "description": builtin.get_builtin(n).description}
+        {
+            "name": n,
+            "family": builtin.get_builtin(n).family,
+            "description": builtin.get_builtin(n).description,
+        }
         for n in builtin.list_builtin()
     ]
 

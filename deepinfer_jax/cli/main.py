@@ -61,7 +61,9 @@ def usage() -> str:
         "",
         "subcommands:",
     ]
-    lines += [f"  {s.name.ljust(width)}  {s.summary}" for s in sorted(_SUBCOMMANDS.values(), key=lambda s: s.name)]
+    lines += [
+        f"  {s.name.ljust(width)}  {s.summary}" for s in sorted(_SUBCOMMANDS.values(), key=lambda s: s.name)
+    ]
     lines += ["", f"Run '{PROG} SUBCOMMAND --help' for the flags of one subcommand."]
     return "\n".join(lines)
 

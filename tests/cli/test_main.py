@@ -113,7 +113,7 @@ def test_info_bad_input_names_the_problem(capsys):
     assert "no-such-model" in err and "tiny-v41" in err
     rc, _, err = run_cli(capsys, "info", "--model", "tiny-v41", "--set", "cache.block_size")
     assert rc == 2
-    assert "KEY=VALUE" in err
+    assert "NAME=VALUE" in err and "cache.block_size" in err
 
 
 def test_info_without_model_lists_builtins(capsys):
