@@ -58,7 +58,22 @@ def collect(fv: flags.FlagValues) -> dict[str, Any]:
     kv = cache.kv_bytes_per_token(model)
     out["kv_bytes_per_token"] = float(kv)
     out["engine"] = config_lib.config_to_dict(cfg)
+    out["ops"] = _ops_report(cfg)
     return out
+
+
+def _ops_report(cfg: config_lib.EngineConfig) -> dict[str, Any]:
+    """Which implementation each registered op would use here, under the configured backend."""
+    import jax
+
+    from deepinfer_jax import ops
+
+    platform = jax.default_backend()
+    chosen = {}
+    for name in ops.list_ops():
+        sel = ops.select_from(cfg.ops, name, platform=platform)
+        chosen[name] = {"backend": sel.backend, "reason": sel.reason}
+    return {"platform": platform, "backend": cfg.ops.backend, "selected": chosen}
 
 
 def main(argv: list[str], fv: flags.FlagValues) -> int:

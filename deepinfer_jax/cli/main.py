@@ -126,4 +126,9 @@ def main(argv: Sequence[str]) -> int:
 
 def run() -> None:
     """Console-script entry point."""
-    sys.exit(main(sys.argv))
+    try:
+        code = main(sys.argv)
+    except BrokenPipeError:  # output piped into `head` and friends: not an error of ours
+        code = 0
+        sys.stderr.close()
+    sys.exit(code)

@@ -83,6 +83,10 @@ def test_info_tiny_v41(capsys):
     # 64 code bytes + 8 E4M3 scales, MXFP4 indexer = 64 + 4.
     assert report["record_bytes_per_token"] == {"window": 132, "compressed": 72, "indexer": 68}
     assert report["engine"]["model"]["num_hidden_layers"] == 7
+    # On the CPU every registered op runs its jnp reference.
+    assert report["ops"]["platform"] == "cpu"
+    assert {"rms_norm", "rope"} <= set(report["ops"]["selected"])
+    assert all(s["backend"] == "reference" for s in report["ops"]["selected"].values())
 
 
 def test_info_real_shape_reports_sizes_and_missing_values(capsys):
