@@ -50,6 +50,7 @@ register_subcommand(
     "deepinfer_jax.cli.info",
     "print a model's parsed config, its KV cache record sizes and the resolved engine config",
 )
+# Further subcommands are registered here by the issue that implements them.
 
 
 def usage() -> str:

@@ -486,80 +486,13 @@ class OpRegistry:
 #: The registry the project's ops register into and model code selects from.
 default_registry = OpRegistry()
 
-
-def register_op(name: str, reference_fn: Callable[..., Any], *, doc: str) -> Callable[..., Any]:
-    """:meth:`OpRegistry.register_op` on :data:`default_registry`."""
-    return default_registry.register_op(name, reference_fn, doc=doc)
-
-
-def register_impl(
-    op_name: str,
-    backend: str,
-    fn: Callable[..., Any] | str,
-    *,
-    platforms: Iterable[str] = ("gpu",),
-    available: Callable[[], bool] | None = None,
-    reason: str | None = None,
-    priority: int = 0,
-) -> None:
-    """:meth:`OpRegistry.register_impl` on :data:`default_registry`."""
-    default_registry.register_impl(
-        op_name, backend, fn, platforms=platforms, available=available, reason=reason, priority=priority
-    )
-
-
-def select(
-    name: str,
-    *,
-    backend: str = AUTO,
-    overrides: Mapping[str, str] | None = None,
-    platform: str | None = None,
-    strict: bool = False,
-) -> Selected:
-    """:meth:`OpRegistry.select` on :data:`default_registry`."""
-    return default_registry.select(
-        name, backend=backend, overrides=overrides, platform=platform, strict=strict
-    )
-
-
-def select_from(cfg: Any, name: str, *, platform: str | None = None) -> Selected:
-    """:meth:`OpRegistry.select_from` on :data:`default_registry`."""
-    return default_registry.select_from(cfg, name, platform=platform)
-
-
-def get(
-    name: str,
-    *,
-    backend: str = AUTO,
-    overrides: Mapping[str, str] | None = None,
-    platform: str | None = None,
-    strict: bool = False,
-) -> Callable[..., Any]:
-    """:meth:`OpRegistry.get` on :data:`default_registry`."""
-    return default_registry.get(name, backend=backend, overrides=overrides, platform=platform, strict=strict)
-
-
-def call(
-    name: str,
-    /,
-    *args: Any,
-    backend: str = AUTO,
-    overrides: Mapping[str, str] | None = None,
-    platform: str | None = None,
-    strict: bool = False,
-    **kwargs: Any,
-) -> Any:
-    """:meth:`OpRegistry.call` on :data:`default_registry`."""
-    return default_registry.call(
-        name, *args, backend=backend, overrides=overrides, platform=platform, strict=strict, **kwargs
-    )
-
-
-def list_ops() -> list[str]:
-    """:meth:`OpRegistry.list_ops` on :data:`default_registry`."""
-    return default_registry.list_ops()
-
-
-def describe(*, platform: str | None = None) -> str:
-    """:meth:`OpRegistry.describe` on :data:`default_registry`."""
-    return default_registry.describe(platform=platform)
+# The module-level API is the default registry's bound methods (same signatures and docstrings), so there is one
+# definition of each operation rather than a wrapper per method.
+register_op = default_registry.register_op
+register_impl = default_registry.register_impl
+select = default_registry.select
+select_from = default_registry.select_from
+get = default_registry.get
+call = default_registry.call
+list_ops = default_registry.list_ops
+describe = default_registry.describe
