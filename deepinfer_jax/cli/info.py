@@ -55,8 +55,13 @@ def collect(fv: flags.FlagValues) -> dict[str, Any]:
         "missing_fields": list(model.missing_fields()),
     }
     out["record_bytes_per_token"] = dict(cache.record_bytes(model))
-    kv = cache.kv_bytes_per_token(model)
-    out["kv_bytes_per_token"] = float(kv)
+    # Exact rationals (a ratio-128 layer adds 2.25 B/token); shown as floats.
+    out["kv_bytes_per_token"] = {
+        "backbone": float(cache.kv_bytes_per_token(model)),
+        "with_draft_layers": float(
+            cache.kv_bytes_per_token(model, num_draft_layers=model.num_nextn_predict_layers or 0)
+        ),
+    }
     out["engine"] = config_lib.config_to_dict(cfg)
     out["ops"] = _ops_report(cfg)
     return out

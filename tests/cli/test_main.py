@@ -83,6 +83,10 @@ def test_info_tiny_v41(capsys):
     # 64 code bytes + 8 E4M3 scales, MXFP4 indexer = 64 + 4.
     assert report["record_bytes_per_token"] == {"window": 132, "compressed": 72, "indexer": 68}
     assert report["engine"]["model"]["num_hidden_layers"] == 7
+    # 7 window records (132 B) + compressed records of the KV sources 1 (ratio 2), 3 and 5 (ratio 1):
+    # 72/2 + 72 + 72, + indexer records of the same layers: 68/2 + 68 + 68; the 2 draft layers add a window each.
+    backbone = 7 * 132 + (36 + 72 + 72) + (34 + 68 + 68)
+    assert report["kv_bytes_per_token"] == {"backbone": backbone, "with_draft_layers": backbone + 2 * 132}
     # On the CPU every registered op runs its jnp reference.
     assert report["ops"]["platform"] == "cpu"
     assert {"rms_norm", "rope"} <= set(report["ops"]["selected"])
@@ -93,7 +97,11 @@ def test_info_real_shape_reports_sizes_and_missing_values(capsys):
     report = info_json(capsys, "--model", str(ROOT / "configs" / "deepseek_v41_flash.yaml"))
     assert report["record_bytes_per_token"] == {"window": 528, "compressed": 288, "indexer": 68}
     assert "rope_theta" in " ".join(report["model"]["missing_fields"])
-    assert report["kv_bytes_per_token"] > 0
+    kv = report["kv_bytes_per_token"]
+    # 40 windows of 528 B; KV/index-K sources 2, 8, 14 (ratio 2) and 20 (ratio 1): 3 * 288/2 + 288 and
+    # 3 * 68/2 + 68; the 3 draft layers add a window record each.
+    backbone = 40 * 528 + (3 * 144 + 288) + (3 * 34 + 68)
+    assert kv == {"backbone": backbone, "with_draft_layers": backbone + 3 * 528}
 
 
 def test_info_overrides_have_top_priority(capsys):
