@@ -50,6 +50,11 @@ register_subcommand(
     "deepinfer_jax.cli.info",
     "print a model's parsed config, its KV cache record sizes and the resolved engine config",
 )
+register_subcommand(
+    "convert",
+    "deepinfer_jax.cli.convert",
+    "convert a checkpoint between an HF safetensors folder and orbax, tensor for tensor, byte for byte",
+)
 # Further subcommands are registered here by the issue that implements them.
 
 
