@@ -6,6 +6,7 @@ is still missing is listed rather than guessed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from typing import Any
@@ -73,6 +74,12 @@ def _ops_report(cfg: config_lib.EngineConfig) -> dict[str, Any]:
 
     from deepinfer_jax import ops
 
+    if cfg.model is not None:
+        # Model families register their own hot ops (attention cores, MoE experts) when imported.
+        from deepinfer_jax.models import registry
+
+        with contextlib.suppress(NotImplementedError):  # a family whose model is not built yet
+            registry.get_family(cfg.model.family)
     platform = jax.default_backend()
     chosen = {}
     for name in ops.list_ops():

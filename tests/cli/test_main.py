@@ -128,6 +128,12 @@ def test_info_bad_input_names_the_problem(capsys):
     assert "NAME=VALUE" in err and "cache.block_size" in err
 
 
+def test_info_lists_the_ops_of_the_model_family(capsys):
+    report = info_json(capsys, "--model", "tiny-v3")
+    # The V3 family registers its absorbed-MLA core and the MoE experts op when it is imported.
+    assert {"mla_attention", "moe_experts", "rms_norm", "rope"} <= set(report["ops"]["selected"])
+
+
 def test_info_without_model_lists_builtins(capsys):
     report = info_json(capsys)
     names = {m["name"] for m in report["builtin_models"]}
