@@ -1,1 +1,7 @@
-"""DeepSeek-V4 and V4.1: mHC, compressed sparse attention, Engram, DSpark; `synthetic` writes random checkpoints."""
+"""DeepSeek-V4 (and the parts V4.1 shares): mHC, compressed sparse attention, hash / sqrtsoftplus MoE.
+
+Modules: :mod:`.mhc` (hyper-connections), :mod:`.attention` (shared K=V head, sinks, grouped output
+projection), :mod:`.compressor` (CSA/HCA compressors, lightning indexer), :mod:`.model` (the forward and its
+incremental state), :mod:`.params` (checkpoint contract), :mod:`.family` (registry entry), :mod:`.synthetic`
+(random checkpoints). Nothing is imported here, so ``synthetic`` stays usable without JAX model code.
+"""

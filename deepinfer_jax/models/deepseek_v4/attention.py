@@ -1,0 +1,279 @@
+"""DeepSeek-V4 attention: one shared K=V head, partial interleaved RoPE, per-head sinks, grouped output projection.
+
+Per layer (model.md §7, transformers' ``DeepseekV4Attention``), for normalised inputs ``x [B, S, H]``:
+
+1. queries: ``q_res = RMSNorm(x · wq_aᵀ; q_norm)``, ``q = q_res · wq_bᵀ`` split into heads, each head
+   RMS-normalised without a weight (V4's ``q_b_norm``), RoPE on the **last** ``qk_rope_head_dim`` channels;
+2. one key/value vector per token: ``kv = RMSNorm(x · wkvᵀ; kv_norm)``, rotated the same way; a query sees the
+   last ``sliding_window`` tokens (itself included);
+3. compressed layers add the compressor's entries (:mod:`.compressor`): all visible ones (HCA), or the lightning
+   indexer's top-k (CSA);
+4. softmax over the keys plus one learnable "sink" logit per head that takes probability mass but has no value;
+5. since values carry RoPE too, the output's rope slice is rotated back with the conjugate at the query position;
+6. heads are cut into ``o_groups`` consecutive groups, each projected to ``o_lora_rank`` by its block of ``wo_a``,
+   and the concatenation mapped back to ``H`` by ``wo_b``.
+
+Sliding-window-only layers use the main RoPE; compressed layers, their compressors and the indexer query use the
+compress RoPE (YaRN, no magnitude factor). The sliding window is kept incrementally as a ring buffer of the last
+``sliding_window`` keys (:class:`AttentionState`), so decode cost does not grow with the sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from deepinfer_jax.models.common.linear import LinearNumerics, linear, linear_format
+from deepinfer_jax.models.deepseek_v4.compressor import (
+    CompressorState,
+    compress_chunk,
+    indexer_select,
+    init_compressor_state,
+    visible_entries,
+)
+from deepinfer_jax.ops import apply_rope, register_op, rms_norm, rope_cos_sin
+from deepinfer_jax.ops import get as get_op
+
+__all__ = [
+    "AttentionSpec",
+    "AttentionState",
+    "attention_layer",
+    "grouped_output_projection",
+    "init_attention_state",
+    "sink_attention",
+]
+
+SLIDING = "sliding_attention"
+CSA = "compressed_sparse_attention"
+HCA = "heavily_compressed_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """Static shape facts of one attention layer (hashable: it is part of the traced program's structure).
+
+    ``rope_freqs`` is the per-pair frequency table of the layer's RoPE (main or compress) as a tuple, so the spec
+    stays hashable; ``ratio`` is 0 for sliding-window-only layers.
+    """
+
+    kind: str
+    heads: int
+    head_dim: int
+    rope_dim: int
+    window: int
+    o_groups: int
+    o_rank: int
+    eps: float
+    rope_freqs: tuple[float, ...]
+    ratio: int = 0
+    index_heads: int = 0
+    index_dim: int = 0
+    index_topk: int = 0
+
+    def freqs(self) -> jax.Array:
+        return jnp.asarray(np.asarray(self.rope_freqs, np.float32))
+
+
+class AttentionState(NamedTuple):
+    """Incremental state of one layer: the window ring ``[B, W, D]`` and the compressor states (or ``None``)."""
+
+    window: jax.Array
+    compressor: CompressorState | None
+    indexer: CompressorState | None
+
+
+def init_attention_state(
+    spec: AttentionSpec, batch: int, max_len: int, dtype: Any = jnp.float32
+) -> AttentionState:
+    """Empty state for sequences of up to ``max_len`` tokens."""
+    compressor = indexer = None
+    if spec.kind != SLIDING:
+        capacity = max_len // spec.ratio + 1
+        overlap = spec.kind == CSA
+        compressor = init_compressor_state(
+            batch, spec.ratio, spec.head_dim, capacity, overlap=overlap, dtype=dtype
+        )
+        if spec.kind == CSA:
+            indexer = init_compressor_state(
+                batch, spec.ratio, spec.index_dim, capacity, overlap=True, dtype=dtype
+            )
+    return AttentionState(
+        window=jnp.zeros((batch, spec.window, spec.head_dim), dtype), compressor=compressor, indexer=indexer
+    )
+
+
+def sink_attention(
+    q: jax.Array, kv: jax.Array, mask: jax.Array, sinks: jax.Array, *, scale: float
+) -> jax.Array:
+    """Softmax attention of ``q [B, S, Hq, D]`` over shared keys = values ``kv [B, T, D]`` with per-head sinks.
+
+    ``mask [B, S, T]`` (True = may attend). Each head's softmax runs over its masked logits plus the sink logit
+    ``sinks[h]``, whose probability is dropped (it has no value vector), so the output weights sum to < 1. All in
+    float32; returns ``[B, S, Hq, D]`` in ``q.dtype``. Every row must keep at least one key (its own token).
+    """
+    logits = jnp.einsum(
+        "bshd,btd->bsht", q.astype(jnp.float32), kv.astype(jnp.float32), precision=lax.Precision.HIGHEST
+    ) * jnp.float32(scale)
+    logits = jnp.where(mask[:, :, None, :], logits, -jnp.inf)
+    sink = sinks.astype(jnp.float32)[None, None, :]
+    peak = jnp.maximum(jnp.max(logits, axis=-1), sink)
+    probs = jnp.exp(logits - peak[..., None])
+    denom = jnp.sum(probs, axis=-1) + jnp.exp(sink - peak)
+    out = jnp.einsum("bsht,btd->bshd", probs, kv.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    return (out / denom[..., None]).astype(q.dtype)
+
+
+register_op(
+    "v4_sink_attention",
+    sink_attention,
+    doc="DeepSeek-V4 attention core: one shared K=V head, boolean mask, per-head sink logits",
+)
+
+
+def _row_block(
+    p: Mapping[str, jax.Array], lo: int, hi: int, numerics: LinearNumerics
+) -> dict[str, jax.Array]:
+    """Rows ``[lo, hi)`` of a linear weight dict (its scale rows too), for one group of ``wo_a``."""
+    fmt = linear_format(p)
+    if fmt == "dense":
+        return {"weight": p["weight"][lo:hi]}
+    if fmt == "fp8":
+        rows = numerics.fp8_block()[0]
+        if lo % rows or hi % rows:
+            raise ValueError(
+                f"wo_a: o_lora_rank group rows [{lo}, {hi}) are not aligned to the FP8 block of {rows} rows"
+            )
+        return {"weight": p["weight"][lo:hi], "scale": p["scale"][lo // rows : hi // rows]}
+    return {"packed": p["packed"][lo:hi], "scale": p["scale"][lo:hi]}
+
+
+def grouped_output_projection(
+    o: jax.Array,
+    wo_a: Mapping[str, jax.Array],
+    wo_b: Mapping[str, jax.Array],
+    *,
+    groups: int,
+    rank: int,
+    numerics: LinearNumerics,
+) -> jax.Array:
+    """``o [B, S, Hq, D]`` -> ``[B, S, H]``: consecutive heads form ``groups`` groups, each projected to ``rank``
+    by its own rows of ``wo_a [groups·rank, (Hq/groups)·D]``, then ``wo_b`` mixes the ``groups·rank`` values."""
+    b, s, heads, d = o.shape
+    if heads % groups:
+        raise ValueError(f"grouped_output_projection: o_groups {groups} does not divide {heads} heads")
+    per = (heads // groups) * d
+    grouped = o.reshape(b, s, groups, per)
+    z = [
+        linear(grouped[:, :, g], _row_block(wo_a, g * rank, (g + 1) * rank, numerics), numerics)
+        for g in range(groups)
+    ]
+    return linear(jnp.concatenate(z, axis=-1), wo_b, numerics)
+
+
+def _window_keys(
+    ring: jax.Array, kv: jax.Array, start: jax.Array, positions: jax.Array, window: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Keys ``[B, W + S, D]`` (ring, then the new tokens), their mask ``[S, W + S]`` and the updated ring."""
+    slots = jnp.arange(window, dtype=jnp.int32)
+    # Ring slot s holds the latest position q < start with q ≡ s (mod W); none yet when q < 0.
+    ring_pos = start - 1 - jnp.mod(start - 1 - slots, window)
+    key_pos = jnp.concatenate([ring_pos, positions])
+    q_pos = positions[:, None]
+    mask = (key_pos[None, :] >= 0) & (key_pos[None, :] <= q_pos) & (key_pos[None, :] > q_pos - window)
+    keys = jnp.concatenate([ring, kv.astype(ring.dtype)], axis=1)
+    keep = min(kv.shape[1], window)
+    new_slots = jnp.mod(positions[-keep:], window)
+    ring = ring.at[:, new_slots].set(kv[:, -keep:].astype(ring.dtype))
+    return keys, mask, ring
+
+
+def attention_layer(
+    p: Mapping[str, Any],
+    x: jax.Array,
+    start: jax.Array,
+    state: AttentionState,
+    spec: AttentionSpec,
+    numerics: LinearNumerics,
+) -> tuple[jax.Array, AttentionState]:
+    """One attention sub-layer over ``S`` new tokens at positions ``start ..``; returns ``(y [B, S, H], state)``.
+
+    ``p`` holds ``wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, sinks`` and, for compressed layers,
+    ``compressor`` (``wkv, wgate, ape, norm``) and, for CSA layers, ``indexer`` (``wq_b, weights_proj`` and its
+    own ``compressor``). ``x`` is the attention-normalised input.
+    """
+    b, s, _ = x.shape
+    start = jnp.asarray(start, jnp.int32)
+    positions = start + jnp.arange(s, dtype=jnp.int32)
+    freqs = spec.freqs()
+    cos, sin = rope_cos_sin(positions, freqs)
+    cos, sin = cos[None], sin[None]
+
+    q_res = rms_norm(linear(x, p["wq_a"], numerics), p["q_norm"], eps=spec.eps)
+    q = linear(q_res, p["wq_b"], numerics).reshape(b, s, spec.heads, spec.head_dim)
+    q = rms_norm(q, None, eps=spec.eps)
+    q = apply_rope(q, cos, sin, rope_dim=spec.rope_dim)
+    kv = rms_norm(linear(x, p["wkv"], numerics), p["kv_norm"], eps=spec.eps)
+    kv = apply_rope(kv, cos, sin, rope_dim=spec.rope_dim)
+
+    keys, mask, ring = _window_keys(state.window, kv, start, positions, spec.window)
+    mask = jnp.broadcast_to(mask[None], (b, *mask.shape))
+    compressor_state, indexer_state = state.compressor, state.indexer
+    if spec.kind != SLIDING:
+        if compressor_state is None:
+            raise ValueError(f"attention_layer: a {spec.kind} layer needs a compressor state")
+        cp = p["compressor"]
+        compressor_state = compress_chunk(
+            compressor_state,
+            linear(x, cp["wkv"], numerics, out_dtype=jnp.float32),
+            linear(x, cp["wgate"], numerics, out_dtype=jnp.float32),
+            start,
+            ape=cp["ape"],
+            norm_weight=cp["norm"],
+            norm_eps=spec.eps,
+            rope_freqs=freqs,
+            rope_dim=spec.rope_dim,
+        )
+        entries = compressor_state.entries
+        visible = visible_entries(positions, spec.ratio, entries.shape[1])[None]
+        selected = jnp.broadcast_to(visible, (b, *visible.shape[1:]))
+        if spec.kind == CSA:
+            if indexer_state is None:
+                raise ValueError(
+                    "attention_layer: a compressed_sparse_attention layer needs an indexer state"
+                )
+            ip = p["indexer"]
+            icp = ip["compressor"]
+            indexer_state = compress_chunk(
+                indexer_state,
+                linear(x, icp["wkv"], numerics, out_dtype=jnp.float32),
+                linear(x, icp["wgate"], numerics, out_dtype=jnp.float32),
+                start,
+                ape=icp["ape"],
+                norm_weight=icp["norm"],
+                norm_eps=spec.eps,
+                rope_freqs=freqs,
+                rope_dim=spec.rope_dim,
+            )
+            qi = linear(q_res, ip["wq_b"], numerics).reshape(b, s, spec.index_heads, spec.index_dim)
+            qi = apply_rope(qi, cos, sin, rope_dim=spec.rope_dim)
+            # transformers' positive scales (Di^-1/2 on the dots, Hi^-1/2 on the weights) change no selection
+            # but are kept so the scores themselves can be compared.
+            scale = (spec.index_dim**-0.5) * (spec.index_heads**-0.5)
+            weights = linear(x, ip["weights_proj"], numerics, out_dtype=jnp.float32) * jnp.float32(scale)
+            scores = get_op("v4_indexer_scores")(qi, indexer_state.entries, weights)
+            selected = indexer_select(scores, selected, spec.index_topk)
+        keys = jnp.concatenate([keys, entries.astype(keys.dtype)], axis=1)
+        mask = jnp.concatenate([mask, selected], axis=2)
+
+    out = get_op("v4_sink_attention")(q, keys, mask, p["sinks"], scale=spec.head_dim**-0.5)
+    out = apply_rope(out, cos, sin, rope_dim=spec.rope_dim, inverse=True)
+    y = grouped_output_projection(
+        out, p["wo_a"], p["wo_b"], groups=spec.o_groups, rank=spec.o_rank, numerics=numerics
+    )
+    return y, AttentionState(window=ring, compressor=compressor_state, indexer=indexer_state)

@@ -1,0 +1,252 @@
+"""The DeepSeek-V4 forward as a pure function over a parameter tree and an explicit incremental state.
+
+``forward_chunk(params, ids, start, state, plan=..., numerics=...)`` runs ``S`` new tokens (positions
+``start .. start+S-1``) of a batch of equally long sequences through the model and returns their logits and the
+advanced state. A full forward is one chunk from position 0 on a fresh state (:func:`forward_logits`); decode is
+a chunk of one token. Both paths execute the same code, so "token-by-token decode equals the full forward" is a
+property of the state bookkeeping (window ring, compressor tails and overlap series), which the tests check.
+
+Per layer (model.md §6-§8 with V4's layer kinds): mHC mixes -> collapse -> attention norm -> attention
+(:mod:`.attention`) -> mHC expand; mHC mixes -> collapse -> FFN norm -> MoE (score-routed with the
+``sqrtsoftplus`` router and a selection bias, or hash-routed by ``tid2eid[token]``; clamped SwiGLU on routed and
+shared experts) -> mHC expand. After the last layer the HC head collapses the streams, then the final norm and
+the LM head give float32 logits.
+
+:class:`V4Plan` is everything static about a config (dimensions, layer kinds, RoPE tables), hashable so it can be
+a ``jax.jit`` static argument: the layer loop is unrolled at trace time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.config.v4 import DeepseekV4Config
+from deepinfer_jax.models.common.embedding import embed_tokens, lm_head
+from deepinfer_jax.models.common.linear import LinearNumerics, linear
+from deepinfer_jax.models.common.mlp import swiglu_mlp
+from deepinfer_jax.models.common.moe import route
+from deepinfer_jax.models.deepseek_v4.attention import (
+    AttentionSpec,
+    AttentionState,
+    attention_layer,
+    init_attention_state,
+)
+from deepinfer_jax.models.deepseek_v4.mhc import hc_collapse, hc_expand, hc_head, hc_mixes
+from deepinfer_jax.ops import RopeParams, rms_norm
+from deepinfer_jax.ops import get as get_op
+
+__all__ = [
+    "V4Plan",
+    "forward_chunk",
+    "forward_logits",
+    "init_state",
+    "moe_layer",
+    "numerics_for",
+]
+
+# A compression ratio must divide the 128-token cache block (DeepseekV4Config enforces it at parse time).
+CACHE_BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class V4Plan:
+    """Static description of a DeepSeek-V4 model (hashable)."""
+
+    vocab_size: int
+    hidden: int
+    attention: tuple[AttentionSpec, ...]
+    mlp_types: tuple[str, ...]
+    hc_mult: int
+    hc_eps: float
+    hc_sinkhorn_iters: int
+    eps: float
+    scoring: str
+    top_k: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    swiglu_limit: float | None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.attention)
+
+    @classmethod
+    def from_config(cls, cfg: DeepseekV4Config) -> V4Plan:
+        """Derive the plan from a parsed config; every dimension and ratio comes from it."""
+        if not isinstance(cfg, DeepseekV4Config):
+            raise TypeError(f"V4Plan.from_config: expected a DeepseekV4Config, got {type(cfg).__name__}")
+        cfg.require_complete("building a DeepSeek-V4 model")
+        rope_dim = cfg.qk_rope_head_dim
+        main = tuple(float(f) for f in RopeParams.from_config(cfg.rope).frequencies(rope_dim))
+        compress_rope = RopeParams.from_config(cfg.compress_rope) if cfg.compressed_layer_ids else None
+        for rope, key in ((RopeParams.from_config(cfg.rope), "rope"), (compress_rope, "compress_rope")):
+            if rope is not None and rope.magnitude != 1.0:
+                raise ValueError(
+                    f"{key}: attention_factor / mscale give a cos/sin magnitude of {rope.magnitude}, but "
+                    "DeepSeek-V4 applies no YaRN magnitude scaling (expected 1.0)"
+                )
+        compress = (
+            tuple(float(f) for f in compress_rope.frequencies(rope_dim))
+            if compress_rope is not None
+            else main
+        )
+        specs = []
+        for i, kind in enumerate(cfg.layer_types):
+            ratio = cfg.compress_ratios[i]
+            if ratio and CACHE_BLOCK % ratio:
+                raise ValueError(
+                    f"compress_ratios[{i}] = {ratio}: a compression ratio must divide the {CACHE_BLOCK}-token "
+                    "cache block"
+                )
+            csa = kind == "compressed_sparse_attention"
+            specs.append(
+                AttentionSpec(
+                    kind=kind,
+                    heads=cfg.num_attention_heads,
+                    head_dim=cfg.head_dim,
+                    rope_dim=rope_dim,
+                    window=cfg.sliding_window,
+                    o_groups=cfg.o_groups,
+                    o_rank=cfg.o_lora_rank,
+                    eps=cfg.rms_norm_eps,
+                    rope_freqs=main if kind == "sliding_attention" else compress,
+                    ratio=ratio,
+                    index_heads=(cfg.index_n_heads or 0) if csa else 0,
+                    index_dim=(cfg.index_head_dim or 0) if csa else 0,
+                    index_topk=(cfg.index_topk or 0) if csa else 0,
+                )
+            )
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden=cfg.hidden_size,
+            attention=tuple(specs),
+            mlp_types=tuple(cfg.mlp_layer_types),
+            hc_mult=cfg.hc_mult,
+            hc_eps=cfg.hc_eps,
+            hc_sinkhorn_iters=cfg.hc_sinkhorn_iters,
+            eps=cfg.rms_norm_eps,
+            scoring=cfg.scoring_func,
+            top_k=cfg.num_experts_per_tok,
+            norm_topk_prob=cfg.norm_topk_prob,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+            swiglu_limit=cfg.swiglu_limit,
+        )
+
+
+def numerics_for(cfg: DeepseekV4Config) -> LinearNumerics:
+    """Parity-mode (float32, weight-only) numerics for the checkpoint's weight formats."""
+    q = cfg.quantization
+    return LinearNumerics(block=tuple(q.weight_block_size) if q is not None else None, activation_cast="none")
+
+
+def init_state(
+    plan: V4Plan, batch: int, max_len: int, dtype: Any = jnp.float32
+) -> tuple[AttentionState, ...]:
+    """A fresh incremental state for ``batch`` sequences of up to ``max_len`` tokens."""
+    for name, value in (("batch", batch), ("max_len", max_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"init_state: {name} must be an int >= 1, got {value!r}")
+    return tuple(init_attention_state(spec, batch, max_len, dtype) for spec in plan.attention)
+
+
+def moe_layer(
+    p: Mapping[str, Any],
+    x: jax.Array,
+    ids: jax.Array,
+    plan: V4Plan,
+    numerics: LinearNumerics,
+    *,
+    hashed: bool,
+) -> jax.Array:
+    """The MoE FFN for normalised ``x [B, S, H]``: routed experts (hash or score routed) plus shared experts."""
+    b, s, h = x.shape
+    flat = x.reshape(b * s, h)
+    logits = linear(flat, p["gate"], numerics, out_dtype=jnp.float32)
+    expert_ids = jnp.take(p["tid2eid"], ids.reshape(-1), axis=0) if hashed else None
+    routing = route(
+        logits,
+        scoring=plan.scoring,
+        top_k=plan.top_k,
+        bias=None if hashed else p["bias"],
+        norm_topk_prob=plan.norm_topk_prob,
+        routed_scaling_factor=plan.routed_scaling_factor,
+        expert_ids=expert_ids,
+    )
+    out = get_op("moe_experts")(
+        flat, routing, p["experts"], numerics, swiglu_limit=plan.swiglu_limit, weight_before_down=True
+    )
+    if "shared" in p:
+        out = out + swiglu_mlp(flat, p["shared"], numerics, limit=plan.swiglu_limit)
+    return out.reshape(b, s, h)
+
+
+def _check_capacity(state: tuple[AttentionState, ...], start: Any, length: int, plan: V4Plan) -> None:
+    """Refuse, when ``start`` is concrete, a chunk whose compressed entries would not fit the state.
+
+    Under ``jax.jit`` ``start`` is traced and cannot be checked here: callers that jit must keep
+    ``start + S <= max_len`` of :func:`init_state` themselves (the engine's scheduler does).
+    """
+    try:
+        first = int(start)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        return
+    if first < 0:
+        raise ValueError(f"forward_chunk: start = {first} must be >= 0")
+    for i, (spec, layer) in enumerate(zip(plan.attention, state, strict=True)):
+        if layer.compressor is None:
+            continue
+        capacity = layer.compressor.entries.shape[1]
+        needed = (first + length) // spec.ratio
+        if needed > capacity:
+            raise ValueError(
+                f"forward_chunk: positions up to {first + length} need {needed} compressed entries in layer {i} "
+                f"(ratio {spec.ratio}), but the state holds {capacity}; build it with a larger max_len"
+            )
+
+
+def forward_chunk(
+    params: Mapping[str, Any],
+    ids: jax.Array,
+    start: jax.Array,
+    state: tuple[AttentionState, ...],
+    *,
+    plan: V4Plan,
+    numerics: LinearNumerics,
+) -> tuple[jax.Array, tuple[AttentionState, ...]]:
+    """Logits ``float32 [B, S, V]`` of tokens ``ids [B, S]`` at positions ``start ..``, and the new state."""
+    if ids.ndim != 2:
+        raise ValueError(f"forward_chunk: ids must be [batch, tokens], got shape {ids.shape}")
+    if len(state) != plan.num_layers:
+        raise ValueError(f"forward_chunk: state has {len(state)} layers, the plan {plan.num_layers}")
+    _check_capacity(state, start, ids.shape[1], plan)
+    x = embed_tokens(params["embed"], ids, dtype=jnp.float32)
+    streams = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], plan.hc_mult, x.shape[-1]))
+    hc = {"hc_eps": plan.hc_eps, "sinkhorn_iters": plan.hc_sinkhorn_iters, "norm_eps": plan.eps}
+    new_state = []
+    for i, (spec, lp) in enumerate(zip(plan.attention, params["layers"], strict=True)):
+        mix = hc_mixes(streams, **lp["hc_attn"], **hc)
+        xn = rms_norm(hc_collapse(streams, mix.pre), lp["attn_norm"], eps=plan.eps)
+        y, layer_state = attention_layer(lp["attn"], xn, start, state[i], spec, numerics)
+        new_state.append(layer_state)
+        streams = hc_expand(streams, y, mix.post, mix.comb)
+        mix = hc_mixes(streams, **lp["hc_ffn"], **hc)
+        xn = rms_norm(hc_collapse(streams, mix.pre), lp["ffn_norm"], eps=plan.eps)
+        f = moe_layer(lp["ffn"], xn, ids, plan, numerics, hashed=plan.mlp_types[i] == "hash_moe")
+        streams = hc_expand(streams, f, mix.post, mix.comb)
+    h = hc_head(streams, **params["hc_head"], hc_eps=plan.hc_eps, norm_eps=plan.eps)
+    h = rms_norm(h, params["norm"], eps=plan.eps)
+    return lm_head(h, params["head"]), tuple(new_state)
+
+
+def forward_logits(
+    params: Mapping[str, Any], ids: jax.Array, *, plan: V4Plan, numerics: LinearNumerics
+) -> jax.Array:
+    """Full-sequence logits ``float32 [B, S, V]`` (one chunk from position 0 on a fresh state)."""
+    state = init_state(plan, ids.shape[0], ids.shape[1])
+    logits, _ = forward_chunk(params, ids, jnp.int32(0), state, plan=plan, numerics=numerics)
+    return logits
