@@ -5,6 +5,8 @@ Importing this package registers every op in :data:`default_registry`; model cod
 See ``docs/ops.md``.
 """
 
+import custom_calls.cutedsl as _cutedsl
+from deepinfer_jax.ops import gemm, grouped_gemm, moe_kernels, swiglu  # noqa: F401  (registers the ops)
 from deepinfer_jax.ops.registry import (
     AUTO,
     KNOWN_BACKENDS,
@@ -36,6 +38,11 @@ from deepinfer_jax.ops.rope import (
     yarn_mscale,
     yarn_softmax_scale_correction,
 )
+
+# CuteDSL (SM100) implementations are registered by lazy "module:attr" reference: importing this small package
+# loads neither JAX kernels nor the CuteDSL toolchain, and each one's `available()` check keeps it off every
+# machine that is not a configured SM100 GPU (docs/backends.md).
+_cutedsl.register(default_registry)
 
 __all__ = [
     "AUTO",

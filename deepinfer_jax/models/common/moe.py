@@ -33,6 +33,7 @@ from jax import lax
 
 from deepinfer_jax.models.common.linear import LinearNumerics, LinearParams, grouped_linear
 from deepinfer_jax.models.common.mlp import swiglu
+from deepinfer_jax.ops.moe_kernels import register_moe_experts_backends
 from deepinfer_jax.ops.registry import register_op
 
 __all__ = ["SCORING_FUNCS", "Routing", "moe_experts", "route", "router_scores"]
@@ -186,3 +187,6 @@ register_op(
     moe_experts,
     doc="routed SwiGLU experts, one grouped GEMM per expert with rows, weighted sum per token (model.md §8.2)",
 )
+# Accelerator backends of this op (sorted dispatch over the Pallas / CuteDSL / Ascend grouped GEMMs) attach to it
+# here, because the op itself is defined at the models level.
+register_moe_experts_backends()

@@ -1,0 +1,13 @@
+"""Pallas GPU kernels (Triton lowering), one module per kernel, each the ``pallas_gpu`` twin of a reference op.
+
+| module | op |
+|---|---|
+| :mod:`pallas_kernels.fp8_block_linear` | ``fp8_block_linear`` |
+| :mod:`pallas_kernels.mxfp4_grouped_linear` | ``mxfp4_grouped_linear``, ``mxfp4_grouped_swiglu`` |
+| :mod:`pallas_kernels.swiglu` | ``swiglu`` |
+
+The op registry imports these modules lazily (``"pallas_kernels.<module>:<function>"``), only when the
+``pallas_gpu`` backend is selected on a GPU; they import nothing but JAX and :mod:`deepinfer_jax.numerics`.
+Every wrapper takes ``interpret=True`` to run its kernel with the Pallas interpreter (CPU tests), and
+:func:`pallas_kernels._common.export_for_cuda` lowers any of them for CUDA without a GPU.
+"""
