@@ -10,8 +10,9 @@ is known at trace time and no ``if`` on a runtime value is needed:
   ``weight_scale_inv`` for V3, UE8M0 bytes for V4/V4.1);
 * ``{"packed": p, "scale": s}`` -- MXFP4 (two E2M1 codes per byte, one UE8M0 scale per 32 inputs).
 
-Quantised weights are never dequantised as a whole: they go through :mod:`deepinfer_jax.numerics.qlinear`,
-which decodes one tile at a time. :class:`LinearNumerics` carries the two static facts those calls need (the
+Quantised weights are never dequantised as a whole: FP8 GEMMs go through the ``fp8_block_linear`` op (so a
+kernel backend can take them), the others through :mod:`deepinfer_jax.numerics.qlinear`; both decode one tile
+at a time. :class:`LinearNumerics` carries the two static facts those calls need (the
 FP8 block shape and the activation round trip of the precision mode, ``ARCHITECTURE.md`` §8).
 """
 
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from deepinfer_jax import ops
 from deepinfer_jax.numerics import qlinear
 from deepinfer_jax.numerics.activation import ACTIVATION_CAST_KINDS, V3_ACTIVATION_BLOCK
 
@@ -137,7 +139,22 @@ def linear(x: jax.Array, p: LinearParams, numerics: LinearNumerics, *, out_dtype
         if w.ndim != 2 or w.shape[1] != x.shape[-1]:
             raise ValueError(f"linear: weight {w.shape} does not take inputs of width {x.shape[-1]}")
         return _dense_matmul(x, w).astype(out)
-    if fmt == "fp8":
+    if fmt == "fp8" and (
+        numerics.activation_cast != "fp8_token_block" or numerics.activation_block == V3_ACTIVATION_BLOCK
+    ):
+        # Through the op registry, so an accelerator backend (Pallas / CuteDSL / Ascend) takes over the GEMM.
+        lead = x.shape[:-1]
+        y = ops.call(
+            "fp8_block_linear",
+            x.reshape(-1, x.shape[-1]),
+            p["weight"],
+            p["scale"],
+            block=numerics.fp8_block(),
+            activation_cast=numerics.activation_cast,
+            out_dtype=out,
+        )
+        return y.reshape(*lead, y.shape[-1])
+    if fmt == "fp8":  # an activation block the op does not cover
         return qlinear.fp8_linear(
             x,
             p["weight"],
