@@ -1,0 +1,432 @@
+"""What a user asks for (:class:`SamplingParams`) and what the engine gives back (:class:`RequestOutput`).
+
+The shapes follow vLLM's offline API, which most callers already know: one :class:`RequestOutput` per prompt,
+holding :class:`CompletionOutput` records whose ``logprobs`` are lists of ``{token_id: Logprob}`` dicts.
+
+:class:`SamplingParams` validates every field at construction (ARCHITECTURE §7, tier 1): a bad value raises
+``ValueError`` or ``TypeError`` naming the field, the value and the valid range, before anything is scheduled.
+Nothing is clamped or silently converted: ``max_tokens=0`` is an error (the reference engine's silent 0 -> 1 is
+not ported) and ``temperature=0`` means exact argmax, not a small temperature. Checks that need the model (token
+ids inside the vocabulary, lengths against ``max_model_len``) are in :func:`validate_request`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+__all__ = [
+    "MAX_LOGPROBS",
+    "CompletionOutput",
+    "FinishReason",
+    "Logprob",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "seed_words",
+    "validate_request",
+]
+
+MAX_LOGPROBS = 20
+"""Most top-n alternatives ``logprobs`` / ``prompt_logprobs`` may ask for."""
+
+_MAX_INT32 = 2**31 - 1
+_SEED_LIMIT = 2**64
+
+FinishReason = Literal["stop", "length", "error"]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(
+        value, bool | np.bool_
+    )
+
+
+def _float(name: str, value: Any) -> float:
+    if not _is_real(value):
+        raise TypeError(f"SamplingParams.{name} must be a float, got {type(value).__name__} ({value!r})")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"SamplingParams.{name} = {value!r} must be finite")
+    return out
+
+
+def _int(name: str, value: Any) -> int:
+    if not _is_int(value):
+        raise TypeError(f"SamplingParams.{name} must be an int, got {type(value).__name__} ({value!r})")
+    return int(value)
+
+
+def _optional_logprobs(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    n = _int(name, value)
+    if not 0 <= n <= MAX_LOGPROBS:
+        raise ValueError(f"SamplingParams.{name} = {n} must be None or in [0, {MAX_LOGPROBS}]")
+    return n
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class SamplingParams:
+    """How to sample one request. Immutable; every field is validated at construction.
+
+    ==========================  ======  =======================================================================
+    field                       default valid values
+    ==========================  ======  =======================================================================
+    ``temperature``             1.0     finite, >= 0; 0 = exact argmax (lowest id on ties), no random numbers
+    ``top_p``                   1.0     (0, 1]
+    ``top_k``                   -1      -1 or 0 = off, else >= 1
+    ``min_p``                   0.0     [0, 1], relative to the most probable token
+    ``repetition_penalty``      1.0     > 0 (vLLM semantics, over prompt + output tokens)
+    ``presence_penalty``        0.0     [-2, 2]
+    ``frequency_penalty``       0.0     [-2, 2]
+    ``max_tokens``              16      >= 1
+    ``min_tokens``              0       0 <= min_tokens <= max_tokens; stops before it are deferred
+    ``stop``                    None    a string or a list of non-empty strings, matched on the text
+    ``stop_token_ids``          None    a list of token ids (checked against the vocabulary per request)
+    ``ignore_eos``              False   bool
+    ``logprobs``                None    None or 0..20 alternatives (plus the chosen token)
+    ``prompt_logprobs``         None    None or 0..20
+    ``seq_seed`` (``seed``)     None    [0, 2**64); None = derived from ``LLM(seed=)`` and the request index
+    ``so_args``                 None    structured outputs arrive in a later release: must be None
+    ==========================  ======  =======================================================================
+
+    ``stop`` and ``stop_token_ids`` are stored as tuples (``stop="x"`` becomes ``("x",)``), so that a
+    ``SamplingParams`` shared by many requests can never be mutated through one of them.
+    """
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    max_tokens: int
+    min_tokens: int
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    logprobs: int | None
+    prompt_logprobs: int | None
+    seq_seed: int | None
+    so_args: None
+
+    def __init__(
+        self,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        max_tokens: int = 16,
+        min_tokens: int = 0,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        seq_seed: int | None = None,
+        so_args: Mapping[str, Any] | None = None,
+        *,
+        seed: int | None = None,
+    ) -> None:
+        values: dict[str, Any] = {}
+        t = _float("temperature", temperature)
+        if t < 0:
+            raise ValueError(f"SamplingParams.temperature = {temperature!r} must be >= 0 (0 = greedy)")
+        values["temperature"] = t
+        p = _float("top_p", top_p)
+        if not 0 < p <= 1:
+            raise ValueError(f"SamplingParams.top_p = {top_p!r} must be in (0, 1]")
+        values["top_p"] = p
+        k = _int("top_k", top_k)
+        if k < -1 or k > _MAX_INT32:
+            raise ValueError(f"SamplingParams.top_k = {k} must be -1 or 0 (off) or in [1, {_MAX_INT32}]")
+        values["top_k"] = k
+        mp = _float("min_p", min_p)
+        if not 0 <= mp <= 1:
+            raise ValueError(f"SamplingParams.min_p = {min_p!r} must be in [0, 1]")
+        values["min_p"] = mp
+        rp = _float("repetition_penalty", repetition_penalty)
+        if rp <= 0:
+            raise ValueError(f"SamplingParams.repetition_penalty = {repetition_penalty!r} must be > 0")
+        values["repetition_penalty"] = rp
+        for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+            v = _float(name, value)
+            if not -2 <= v <= 2:
+                raise ValueError(f"SamplingParams.{name} = {value!r} must be in [-2, 2]")
+            values[name] = v
+        mt = _int("max_tokens", max_tokens)
+        if not 1 <= mt <= _MAX_INT32:
+            raise ValueError(f"SamplingParams.max_tokens = {mt} must be in [1, {_MAX_INT32}]")
+        values["max_tokens"] = mt
+        mn = _int("min_tokens", min_tokens)
+        if not 0 <= mn <= mt:
+            raise ValueError(f"SamplingParams.min_tokens = {mn} must be in [0, max_tokens = {mt}]")
+        values["min_tokens"] = mn
+        values["stop"] = _stop_strings(stop)
+        values["stop_token_ids"] = _stop_ids(stop_token_ids)
+        if not isinstance(ignore_eos, bool | np.bool_):
+            raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {type(ignore_eos).__name__}")
+        values["ignore_eos"] = bool(ignore_eos)
+        values["logprobs"] = _optional_logprobs("logprobs", logprobs)
+        values["prompt_logprobs"] = _optional_logprobs("prompt_logprobs", prompt_logprobs)
+        values["seq_seed"] = _seed(seq_seed, seed)
+        if so_args is not None:
+            if not isinstance(so_args, Mapping):
+                raise TypeError(
+                    f"SamplingParams.so_args must be a dict or None, got {type(so_args).__name__}"
+                )
+            raise ValueError(
+                "SamplingParams.so_args: structured outputs are not supported yet (they arrive in a later "
+                "release); pass so_args=None"
+            )
+        values["so_args"] = None
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def seed(self) -> int | None:
+        """Alias of :attr:`seq_seed`."""
+        return self.seq_seed
+
+    @property
+    def greedy(self) -> bool:
+        """True when tokens are the exact argmax (``temperature == 0``)."""
+        return self.temperature == 0.0
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A validated copy with ``changes`` applied (``seed=`` is accepted as the alias of ``seq_seed``)."""
+        if "seed" in changes:
+            if "seq_seed" in changes and changes["seq_seed"] != changes["seed"]:
+                raise ValueError(
+                    f"SamplingParams: seed = {changes['seed']!r} and seq_seed = {changes['seq_seed']!r} differ; "
+                    "seed is an alias of seq_seed, give one"
+                )
+            changes["seq_seed"] = changes.pop("seed")
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise TypeError(f"SamplingParams has no field(s) {sorted(unknown)}")
+        kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        kwargs.update(changes)
+        return SamplingParams(**kwargs)
+
+
+def _stop_strings(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, Sequence) or isinstance(items, bytes | bytearray):
+        raise TypeError(
+            f"SamplingParams.stop must be a str, a list of str or None, got {type(stop).__name__}"
+        )
+    out: list[str] = []
+    for i, s in enumerate(items):
+        if not isinstance(s, str):
+            raise TypeError(f"SamplingParams.stop[{i}] must be a str, got {type(s).__name__} ({s!r})")
+        if not s:
+            raise ValueError(f"SamplingParams.stop[{i}] = '' must be a non-empty string")
+        out.append(s)
+    return tuple(out)
+
+
+def _stop_ids(ids: Any) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if isinstance(ids, str | bytes | bytearray | Mapping) or not isinstance(ids, Iterable):
+        raise TypeError(
+            f"SamplingParams.stop_token_ids must be a list of int or None, got {type(ids).__name__}"
+        )
+    out: list[int] = []
+    for i, value in enumerate(ids):
+        if not _is_int(value):
+            raise TypeError(
+                f"SamplingParams.stop_token_ids[{i}] must be an int, got {type(value).__name__} ({value!r})"
+            )
+        if value < 0:
+            raise ValueError(f"SamplingParams.stop_token_ids[{i}] = {int(value)} must be a token id >= 0")
+        out.append(int(value))
+    return tuple(out)
+
+
+def _seed(seq_seed: Any, seed: Any) -> int | None:
+    if seed is not None and seq_seed is not None and seed != seq_seed:
+        raise ValueError(
+            f"SamplingParams: seed = {seed!r} and seq_seed = {seq_seed!r} differ; seed is an alias of seq_seed, "
+            "give one"
+        )
+    value = seq_seed if seq_seed is not None else seed
+    if value is None:
+        return None
+    name = "seq_seed" if seq_seed is not None else "seed"
+    if not _is_int(value):
+        raise TypeError(
+            f"SamplingParams.{name} must be an int or None, got {type(value).__name__} ({value!r})"
+        )
+    value = int(value)
+    if not 0 <= value < _SEED_LIMIT:
+        raise ValueError(f"SamplingParams.{name} = {value} must be in [0, 2**64)")
+    return value
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+    """A 64-bit seed as ``(low, high)`` uint32 words, the form the device-side RNG carries (no uint64 on
+    accelerators without x64)."""
+    if not _is_int(seed) or not 0 <= seed < _SEED_LIMIT:
+        raise ValueError(f"seed = {seed!r} must be an int in [0, 2**64)")
+    seed = int(seed)
+    return seed & 0xFFFFFFFF, seed >> 32
+
+
+def validate_request(
+    prompt_token_ids: Any,
+    params: SamplingParams,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    index: int | None = None,
+) -> np.ndarray:
+    """Check one request against the model and return its prompt as a fresh int32 array.
+
+    Refuses (``ValueError``/``TypeError``, naming the field and, with ``index``, the request's position in the
+    batch): a prompt that is not a 1-D sequence of ints, an empty prompt, token ids outside ``[0, vocab_size)``,
+    ``stop_token_ids`` outside the vocabulary, a prompt of ``max_model_len`` tokens or more, and
+    ``len(prompt) + max_tokens > max_model_len`` (the request could not finish within the model length).
+    """
+    where = f"request {index}: " if index is not None else ""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"{where}sampling_params must be a SamplingParams, got {type(params).__name__}")
+    if isinstance(prompt_token_ids, str | bytes | bytearray | Mapping):
+        raise TypeError(
+            f"{where}prompt_token_ids must be a sequence of ints, got {type(prompt_token_ids).__name__}"
+        )
+    if isinstance(prompt_token_ids, np.ndarray):
+        arr = prompt_token_ids
+        if arr.ndim != 1:
+            raise ValueError(f"{where}prompt_token_ids must be 1-D, got shape {arr.shape}")
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"{where}prompt_token_ids must hold ints, got dtype {arr.dtype}")
+    else:
+        if not isinstance(prompt_token_ids, Iterable):
+            raise TypeError(
+                f"{where}prompt_token_ids must be a sequence of ints, got {type(prompt_token_ids).__name__}"
+            )
+        items = list(prompt_token_ids)
+        for i, v in enumerate(items):
+            if not _is_int(v):
+                raise TypeError(
+                    f"{where}prompt_token_ids[{i}] = {v!r} must be an int, got {type(v).__name__}"
+                )
+        arr = np.asarray(items, dtype=np.int64)
+    if arr.size == 0:
+        raise ValueError(f"{where}prompt_token_ids is empty; a prompt needs at least one token")
+    bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"{where}prompt_token_ids[{i}] = {int(arr[i])} is outside the vocabulary [0, {vocab_size})"
+        )
+    for i, token in enumerate(params.stop_token_ids):
+        if token >= vocab_size:
+            raise ValueError(
+                f"{where}sampling_params.stop_token_ids[{i}] = {token} is outside the vocabulary [0, {vocab_size})"
+            )
+    n = int(arr.size)
+    if n >= max_model_len:
+        raise ValueError(
+            f"{where}prompt has {n} tokens; it must be shorter than max_model_len = {max_model_len} to leave "
+            "room for an output token"
+        )
+    if n + params.max_tokens > max_model_len:
+        raise ValueError(
+            f"{where}prompt length {n} + sampling_params.max_tokens {params.max_tokens} = "
+            f"{n + params.max_tokens} exceeds max_model_len = {max_model_len}"
+        )
+    return arr.astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """Log-probability of one token (vLLM's shape).
+
+    ``logprob`` is after penalties and masks, before temperature and filtering; ``rank`` is 1 for the most
+    probable token; ``decoded_token`` is the token's own text (``None`` without a tokenizer).
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Timings (seconds of the engine's clock, ``time.monotonic`` by default) and token counts of a request.
+
+    ``first_scheduled_time`` / ``first_token_time`` / ``finish_time`` stay ``None`` until the event happens;
+    ``num_preemptions`` counts recomputes forced by a full cache.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One generated sequence of a request.
+
+    Attributes:
+        index: the sequence's index within its request (always 0: one sequence per request).
+        text: detokenized output, stop string and stopping special token excluded (``""`` without a tokenizer).
+        token_ids: every generated id, the one that triggered a stop included.
+        cumulative_logprob: sum of the chosen tokens' logprobs when ``logprobs`` was requested, else ``None``.
+        logprobs: one ``{token_id: Logprob}`` per output token (the chosen token and the top-n alternatives)
+            when requested, else ``None``.
+        finish_reason: ``"stop"``, ``"length"``, ``"error"``, or ``None`` while running.
+        stop_reason: the stop string or stop token id that ended it (``None`` for EOS, length and errors).
+        error: the message when ``finish_reason == "error"``.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """The result (or a streamed snapshot) of one request, vLLM's shape.
+
+    ``prompt`` is the prompt text when the request was given as text, else ``None``; ``prompt_logprobs`` holds
+    one entry per prompt token (``None`` for the first) when requested.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    metrics: RequestMetrics
+    finished: bool = False

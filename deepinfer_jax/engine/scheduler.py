@@ -1,0 +1,726 @@
+"""The host scheduler: which tokens of which requests run in each engine step (numpy only, never jax).
+
+Policy (issue 7; spec/engine.md §4 describes the reference, whose step-type vote and prefill-only steps are not
+ported):
+
+* **Continuous batching with chunked prefill, always on.** Every step mixes decode tokens of running requests
+  and prefill chunks under one token budget, ``max_num_batched_tokens`` (any value >= 1: a prompt longer than
+  the budget is prefilled over several steps), and at most ``max_num_seqs`` sequences.
+* **Running requests first, then FCFS admission.** Running requests are served in admission order, each with
+  one decode token or the next chunk of an unfinished prefill; then waiting requests are admitted strictly in
+  order while the budgets, a free state slot and blocks for all their known tokens allow. The first request
+  that does not fit stops admission, so a long prompt is never overtaken indefinitely by short ones.
+* **Preemption by recompute.** When the step's decodes need more new blocks than are free, running requests
+  are preempted longest output first (ties: the latest arrival) until the rest fit: their blocks and slot are
+  freed and they go to the front of the queue; later their prompt and output so far are prefilled again.
+  Outputs are never lost.
+* **Requests that can never fit** (their longest possible context needs more blocks than the pool or the block
+  table holds) end alone with ``finish_reason="error"`` as soon as they are added; the rest keep running.
+* **Stops** are checked when a step's sampled tokens arrive (:meth:`Scheduler.process_outputs`): EOS (unless
+  ``ignore_eos``), ``stop_token_ids``, stop strings matched on the incrementally detokenized text (so a stop
+  string split across tokens is found, and it is cut from ``text``), ``max_tokens`` and ``max_model_len``.
+  Before ``min_tokens`` outputs, EOS / stop ids / stop strings do not stop the request.
+
+**Asynchronous steps.** :meth:`Scheduler.schedule` never needs the previous step's tokens: a decode row whose
+input token is not yet known on the host carries :data:`~deepinfer_jax.engine.plan.PENDING_TOKEN` and the device
+reads the token it sampled last step from the sequence's state slot. The scheduler accounts optimistically: a
+scheduled sample counts as ``pending`` until :meth:`process_outputs` delivers it. Length stops are known in
+advance (a request whose pending tokens will reach ``max_tokens`` is not scheduled again), so only EOS, stop ids
+and stop strings can waste one step. Plans must be processed in the order they were scheduled. Blocks of a
+request that stops are freed when its stop is seen, even if a step already dispatched still writes to them: the
+device runs steps in order, so a later owner's writes always land after those stale ones.
+
+A preempted request whose sampled token is still in flight stays at the front of the queue until the token
+arrives (a recompute needs every token on the host); the token is kept, since the step that sampled it ran on
+the request's cache before the cache was released.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from deepinfer_jax.cache.blocks import BlockAllocator, StateSlotManager, blocks_for_tokens
+from deepinfer_jax.engine.params import (
+    CompletionOutput,
+    FinishReason,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    validate_request,
+)
+from deepinfer_jax.engine.plan import PENDING_TOKEN, StepPlan, choose_bucket
+from deepinfer_jax.text.detokenize import IncrementalDetokenizer
+from deepinfer_jax.text.tokenizer import Tokenizer
+
+__all__ = ["Request", "RequestStatus", "Scheduler", "SchedulerStats"]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    """Queued: not yet admitted, or preempted and waiting to be recomputed."""
+    RUNNING = "running"
+    """Holds a state slot and blocks; prefilling or decoding."""
+    FINISHED = "finished"
+
+
+class Request:
+    """The scheduler's state of one request. Read its attributes; only the scheduler changes them.
+
+    Attributes:
+        request_id, prompt (text or ``None``), prompt_token_ids (int32 array), params, seed (the resolved
+        64-bit sampling seed).
+        output_token_ids: sampled tokens received so far.
+        num_computed: tokens whose cache entries are written or being written by a dispatched step.
+        pending: tokens sampled by dispatched steps whose values have not reached the host yet.
+        block_ids, slot: the request's blocks (table order) and state slot (-1 when it holds none).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: np.ndarray,
+        params: SamplingParams,
+        *,
+        seed: int,
+        prompt: str | None,
+        arrival_time: float,
+        order: int,
+        max_model_len: int,
+        detokenizer: IncrementalDetokenizer | None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.seed = seed
+        self.order = order
+        self.output_token_ids: list[int] = []
+        self.num_computed = 0
+        self.pending = 0
+        self.block_ids: list[int] = []
+        self.slot = -1
+        self.status = RequestStatus.WAITING
+        self.max_total_len = min(len(prompt_token_ids) + params.max_tokens, max_model_len)
+        self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
+        self.detokenizer = detokenizer
+        self.text = ""
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_known(self) -> int:
+        """Tokens known on the host: the prompt and the outputs received."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def total_len(self) -> int:
+        """Tokens including those still in flight."""
+        return self.num_known + self.pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Outputs received and in flight (what preemption's "longest output" compares)."""
+        return len(self.output_token_ids) + self.pending
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Known tokens ``[start, stop)`` of the full sequence (prompt then outputs) as int32."""
+        p = self.prompt_len
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        out = np.asarray(self.output_token_ids[max(start - p, 0) : stop - p], dtype=np.int32)
+        if start >= p:
+            return out
+        return np.concatenate([self.prompt_token_ids[start:], out])
+
+    def all_token_ids(self) -> np.ndarray:
+        """Prompt and received outputs, int32 (what repetition penalties count)."""
+        return self.tokens(0, self.num_known)
+
+    def to_output(self, *, final: bool) -> RequestOutput:
+        """A :class:`RequestOutput` of the current state (copies of the lists unless ``final``)."""
+        copy = (lambda x: x) if final else (lambda x: None if x is None else list(x))
+        completion = CompletionOutput(
+            index=0,
+            text=self.text,
+            token_ids=copy(self.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=copy(self.logprobs),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            error=self.error,
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids.tolist(),
+            outputs=[completion],
+            prompt_logprobs=None,
+            metrics=self.metrics if final else dataclasses.replace(self.metrics),
+            finished=self.status is RequestStatus.FINISHED,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, prompt={self.prompt_len}, "
+            f"outputs={len(self.output_token_ids)}+{self.pending}, computed={self.num_computed}, "
+            f"blocks={len(self.block_ids)}, slot={self.slot})"
+        )
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+    """Counters since construction."""
+
+    num_steps: int = 0
+    num_scheduled_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    """Rows that feed one output token and sample the next (the rest count as prefill tokens)."""
+    num_padding_tokens: int = 0
+    num_preemptions: int = 0
+    num_wasted_samples: int = 0
+    """Samples discarded because their request had stopped after the step was scheduled."""
+
+
+@dataclasses.dataclass
+class _Row:
+    request: Request
+    start: int
+    length: int
+    sample: bool
+    pending_input: bool
+    decode: bool
+
+
+def _priority(req: Request) -> tuple[int, int]:
+    """Serving order of running requests (ascending) and preemption order (descending): output length, then
+    arrival."""
+    return req.num_output_tokens, req.order
+
+
+def _positive(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"Scheduler {name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"Scheduler {name} = {value} must be >= {minimum}")
+    return int(value)
+
+
+class Scheduler:
+    """Host scheduler over a block pool and a state-slot pool; see the module docstring for the policy.
+
+    Args:
+        num_blocks: cache blocks in the pool (block 0 is reserved, so ``num_blocks - 1`` are usable).
+        block_size: token positions per block.
+        max_num_seqs: most sequences in one step, and most requests holding cache at once.
+        max_num_batched_tokens: most tokens in one step (>= 1; chunked prefill splits longer prompts).
+        max_model_len: most tokens (prompt + output) of a request.
+        vocab_size: the model's vocabulary (validates prompts, stop ids and sampled tokens).
+        eos_token_ids: ids that end a request unless ``ignore_eos``.
+        num_state_slots: slots in the pool, slot 0 reserved (default ``max_num_seqs + 1``).
+        max_blocks_per_seq: width of the block tables in plans (default: enough for ``max_model_len``).
+        buckets: the compiled ``(tokens, sequences)`` shapes plans are padded to. The budgets are lowered to
+            the largest bucket sizes, and a bucket holding both budgets must exist. Default: one bucket of the
+            budgets.
+        tokenizer: detokenizes outputs into ``text`` and decodes logprob tokens; ``None`` = ids only (``text``
+            stays ``""``, and stop strings are refused).
+        stream: :meth:`process_outputs` also returns a snapshot of every request that received a token.
+        clock: time source of the metrics.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int = 128,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_ids: Sequence[int] = (),
+        num_state_slots: int | None = None,
+        max_blocks_per_seq: int | None = None,
+        buckets: Sequence[tuple[int, int]] | None = None,
+        tokenizer: Tokenizer | None = None,
+        stream: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.block_size = _positive("block_size", block_size)
+        self.max_num_seqs = _positive("max_num_seqs", max_num_seqs)
+        self.max_num_batched_tokens = _positive("max_num_batched_tokens", max_num_batched_tokens)
+        self.max_model_len = _positive("max_model_len", max_model_len, 2)
+        self.vocab_size = _positive("vocab_size", vocab_size)
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        for t in self.eos_token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(
+                    f"Scheduler eos_token_ids: {t} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        slots = self.max_num_seqs + 1 if num_state_slots is None else num_state_slots
+        self.blocks = BlockAllocator(_positive("num_blocks", num_blocks, 2), self.block_size)
+        self.slots = StateSlotManager(_positive("num_state_slots", slots, 2))
+        width = blocks_for_tokens(self.max_model_len, self.block_size)
+        self.max_blocks_per_seq = (
+            width if max_blocks_per_seq is None else _positive("max_blocks_per_seq", max_blocks_per_seq)
+        )
+        if buckets is None:
+            seqs = min(self.max_num_seqs, self.max_num_batched_tokens)
+            buckets = [(self.max_num_batched_tokens, seqs)]
+        self.buckets = self._check_buckets(buckets)
+        self.token_budget = min(self.max_num_batched_tokens, max(t for t, _ in self.buckets))
+        self.seq_budget = min(self.max_num_seqs, max(s for _, s in self.buckets))
+        choose_bucket(self.token_budget, min(self.seq_budget, self.token_budget), self.buckets)
+        if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+            raise TypeError(
+                f"Scheduler tokenizer must be a Tokenizer or None, got {type(tokenizer).__name__}"
+            )
+        self.tokenizer = tokenizer
+        self.stream = bool(stream)
+        self._clock = clock
+        self._requests: dict[str, Request] = {}
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._running: list[Request] = []
+        self._ready: list[RequestOutput] = []
+        self._in_flight: collections.OrderedDict[StepPlan, list[Request]] = collections.OrderedDict()
+        self._order = 0
+        self.stats = SchedulerStats()
+
+    @staticmethod
+    def _check_buckets(buckets: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+        out = []
+        for i, bucket in enumerate(buckets):
+            if not isinstance(bucket, tuple | list) or len(bucket) != 2:
+                raise TypeError(f"Scheduler buckets[{i}] = {bucket!r} must be a (tokens, sequences) pair")
+            out.append(
+                (
+                    _positive(f"buckets[{i}] tokens", bucket[0]),
+                    _positive(f"buckets[{i}] sequences", bucket[1]),
+                )
+            )
+        if not out:
+            raise ValueError("Scheduler buckets is empty; give at least one (tokens, sequences) pair")
+        return tuple(sorted(set(out)))
+
+    # ------------------------------------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Any,
+        params: SamplingParams,
+        *,
+        seed: int,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request (tier-1 validation first: bad input raises and nothing is queued).
+
+        ``seed`` is the request's resolved sampling seed (``params.seq_seed`` when set; the facade derives one
+        otherwise). A request whose longest possible context can never fit the cache is accepted and finished
+        at once with ``finish_reason="error"``; its output comes with the next :meth:`process_outputs` or
+        :meth:`take_ready_outputs`.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already queued or running")
+        ids = validate_request(
+            prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+        )
+        if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__} ({seed!r})")
+        if not 0 <= seed < 2**64:
+            raise ValueError(f"seed = {seed} must be in [0, 2**64)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"sampling_params.stop = {list(params.stop)!r} needs a tokenizer to match text; this engine has none"
+            )
+        if params.prompt_logprobs is not None:
+            raise ValueError(
+                f"sampling_params.prompt_logprobs = {params.prompt_logprobs}: prompt logprobs are not computed by "
+                "the engine yet; pass None"
+            )
+        detok = None
+        if self.tokenizer is not None:
+            # vLLM's default: special tokens (BOS/EOS/pad) do not appear in text; chat markers do.
+            detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+        now = self._clock() if arrival_time is None else float(arrival_time)
+        req = Request(
+            request_id,
+            ids,
+            params,
+            seed=int(seed),
+            prompt=prompt,
+            arrival_time=now,
+            order=self._order,
+            max_model_len=self.max_model_len,
+            detokenizer=detok,
+        )
+        self._order += 1
+        # The longest context ever cached: the last token sampled never enters the cache.
+        most_blocks = blocks_for_tokens(req.max_total_len - 1, self.block_size)
+        limit = min(self.blocks.capacity, self.max_blocks_per_seq)
+        if most_blocks > limit:
+            self._requests[request_id] = req
+            self._finish(
+                req,
+                "error",
+                error=(
+                    f"request {request_id!r} can never fit the cache: up to {req.max_total_len - 1} cached tokens "
+                    f"need {most_blocks} blocks of {self.block_size} tokens, but the cache holds "
+                    f"{self.blocks.capacity} blocks and a block table {self.max_blocks_per_seq}"
+                ),
+            )
+            self._ready.append(req.to_output(final=True))
+            return
+        self._requests[request_id] = req
+        self._waiting.append(req)
+
+    def get_request(self, request_id: str) -> Request:
+        """The state of an unfinished request (``KeyError`` once it has finished)."""
+        return self._requests[request_id]
+
+    def rows(self, plan: StepPlan) -> list[Request]:
+        """The requests of ``plan``'s real rows, in row order (for building the step's sampling inputs)."""
+        return list(self._in_flight[plan])
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request is queued or running, or a finished one has not been reported yet."""
+        return bool(self._waiting or self._running or self._ready)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Plans scheduled and not yet processed."""
+        return len(self._in_flight)
+
+    # ------------------------------------------------------------------------------------------- schedule
+
+    def schedule(self) -> StepPlan | None:
+        """Plan the next step, or ``None`` when nothing can run now (everything waits for in-flight tokens,
+        or there is no work)."""
+        rows, tokens_left = self._schedule_running()
+
+        while self._waiting and tokens_left > 0 and len(rows) < self.seq_budget:
+            if len(self._running) >= self.max_num_seqs:
+                break
+            req = self._waiting[0]
+            if req.pending:
+                break  # a recompute needs every token on the host; strict FCFS waits for it
+            need = self.blocks.blocks_for(req.num_known)
+            if need > self.blocks.num_free or self.slots.num_free == 0:
+                break
+            self._waiting.popleft()
+            req.block_ids = self.blocks.allocate(need)
+            req.slot = self.slots.allocate_one()
+            req.status = RequestStatus.RUNNING
+            req.num_computed = 0
+            self._running.append(req)
+            q = min(req.num_known, tokens_left)
+            rows.append(_Row(req, 0, q, q == req.num_known, False, False))
+            tokens_left -= q
+
+        if not rows:
+            return None
+        return self._build_plan(rows)
+
+    def _schedule_running(self) -> tuple[list[_Row], int]:
+        """Rows of the running requests (admission order, within the budgets) and the tokens left.
+
+        The rows are first planned without allocating. If their new blocks exceed the free ones, the running
+        request with the longest output (ties: the latest arrival) is preempted, whether or not it had a row,
+        and the rows are planned again. Only decodes need new blocks (admission allocates blocks for every
+        known token), and a lone request always fits (requests that cannot are refused when added), so this
+        ends with at least one row whenever a request runs.
+        """
+        while True:
+            rows: list[_Row] = []
+            tokens_left = self.token_budget
+            new_blocks = 0
+            for req in self._running:
+                if tokens_left == 0 or len(rows) == self.seq_budget:
+                    break
+                # Tokens still to feed: the rest of a prefill, or the one token whose cache entry the next
+                # decode writes (pending when it was sampled by a step not yet processed).
+                start = req.num_computed
+                q = min(req.total_len - start, tokens_left)
+                sample = start + q == req.total_len
+                if sample and req.total_len >= req.max_total_len:
+                    continue  # its in-flight tokens complete it; stopping is certain
+                new_blocks += max(0, self.blocks.blocks_for(start + q) - len(req.block_ids))
+                decode = sample and q == 1 and start >= req.prompt_len
+                rows.append(_Row(req, start, q, sample, req.pending > 0, decode))
+                tokens_left -= q
+            if new_blocks <= self.blocks.num_free:
+                break
+            self._preempt(max(self._running, key=_priority))
+        for row in rows:
+            missing = self.blocks.blocks_for(row.start + row.length) - len(row.request.block_ids)
+            if missing > 0:
+                row.request.block_ids.extend(self.blocks.allocate(missing))
+        return rows, tokens_left
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed = 0
+        self._running.remove(req)
+        self._waiting.appendleft(req)
+        req.metrics.num_preemptions += 1
+        self.stats.num_preemptions += 1
+
+    def _release(self, req: Request) -> None:
+        if req.block_ids:
+            self.blocks.free(reversed(req.block_ids))
+            req.block_ids = []
+        if req.slot >= 0:
+            self.slots.free([req.slot])
+            req.slot = -1
+
+    def _build_plan(self, rows: list[_Row]) -> StepPlan:
+        num_tokens = sum(r.length for r in rows)
+        num_seqs = len(rows)
+        t, s = choose_bucket(num_tokens, num_seqs, self.buckets)
+        token_ids = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        token_seq = np.full(t, s, np.int32)
+        seq_slots = np.full(s, -1, np.int32)
+        query_start = np.full(s + 1, num_tokens, np.int32)
+        context_lens = np.zeros(s, np.int32)
+        block_tables = np.full((s, self.max_blocks_per_seq), -1, np.int32)
+        sample = np.zeros(s, np.bool_)
+        now = self._clock()
+        offset = 0
+        for i, row in enumerate(rows):
+            req = row.request
+            end = offset + row.length
+            if row.pending_input:
+                token_ids[offset] = PENDING_TOKEN
+            else:
+                token_ids[offset:end] = req.tokens(row.start, row.start + row.length)
+            positions[offset:end] = np.arange(row.start, row.start + row.length, dtype=np.int32)
+            token_seq[offset:end] = i
+            seq_slots[i] = req.slot
+            query_start[i] = offset
+            context_lens[i] = row.start + row.length
+            block_tables[i, : len(req.block_ids)] = req.block_ids
+            sample[i] = row.sample
+            offset = end
+            req.num_computed += row.length
+            if row.sample:
+                req.pending += 1
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            if row.decode:
+                self.stats.num_decode_tokens += 1
+            else:
+                self.stats.num_prefill_tokens += row.length
+        plan = StepPlan(
+            token_ids=token_ids,
+            positions=positions,
+            token_seq=token_seq,
+            seq_slots=seq_slots,
+            query_start=query_start,
+            context_lens=context_lens,
+            block_tables=block_tables,
+            sample=sample,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            request_ids=tuple(r.request.request_id for r in rows),
+        )
+        self._in_flight[plan] = [r.request for r in rows]
+        self.stats.num_steps += 1
+        self.stats.num_scheduled_tokens += num_tokens
+        self.stats.num_padding_tokens += t - num_tokens
+        return plan
+
+    # ------------------------------------------------------------------------------------ process outputs
+
+    def process_outputs(
+        self,
+        plan: StepPlan,
+        sampled_tokens: Any,
+        *,
+        logprob: Any = None,
+        rank: Any = None,
+        top_ids: Any = None,
+        top_logprobs: Any = None,
+    ) -> list[RequestOutput]:
+        """Take the sampled tokens of ``plan`` (the oldest unprocessed plan), apply stops, free what finished.
+
+        ``sampled_tokens`` is ``[S]`` (or at least ``[num_seqs]``), one per row; rows with ``sample`` false are
+        ignored. ``logprob`` / ``rank`` (``[S]``) and ``top_ids`` / ``top_logprobs`` (``[S, n]``) are the
+        sampler's logprob outputs, needed when a request asked for ``logprobs``. A token outside the vocabulary
+        (what a sampler reports for a row without a finite logit) ends that request with an error.
+
+        Returns the requests that finished (and, with ``stream``, snapshots of those that advanced), followed by
+        requests finished outside a step (see :meth:`take_ready_outputs`).
+        """
+        if not self._in_flight:
+            raise ValueError("process_outputs: no plan is in flight")
+        oldest = next(iter(self._in_flight))
+        if plan is not oldest:
+            raise ValueError("process_outputs: plans must be processed in the order they were scheduled")
+        rows = self._in_flight.pop(plan)
+        tokens = np.asarray(sampled_tokens)
+        if tokens.ndim != 1 or tokens.shape[0] < plan.num_seqs:
+            raise ValueError(f"sampled_tokens has shape {tokens.shape}, expected [{plan.padded_seqs}]")
+        arrays = {
+            name: None if value is None else np.asarray(value)
+            for name, value in (
+                ("logprob", logprob),
+                ("rank", rank),
+                ("top_ids", top_ids),
+                ("top_logprobs", top_logprobs),
+            )
+        }
+        now = self._clock()
+        finished: list[RequestOutput] = []
+        streamed: list[RequestOutput] = []
+        for i, req in enumerate(rows):
+            if not plan.sample[i]:
+                continue
+            if req.status is RequestStatus.FINISHED:
+                self.stats.num_wasted_samples += 1
+                continue
+            req.pending -= 1
+            self._append_token(req, int(tokens[i]), i, arrays, now)
+            if req.status is RequestStatus.FINISHED:
+                finished.append(req.to_output(final=True))
+            elif self.stream:
+                streamed.append(req.to_output(final=False))
+        return finished + streamed + self.take_ready_outputs()
+
+    def take_ready_outputs(self) -> list[RequestOutput]:
+        """Outputs of requests that finished outside a step (those that can never fit the cache)."""
+        ready, self._ready = self._ready, []
+        return ready
+
+    def _append_token(
+        self, req: Request, token: int, row: int, arrays: dict[str, np.ndarray | None], now: float
+    ) -> None:
+        if not 0 <= token < self.vocab_size:
+            self._finish(
+                req,
+                "error",
+                error=(
+                    f"request {req.request_id!r}: the sampler returned token {token}, outside the vocabulary "
+                    f"[0, {self.vocab_size}) (a logit row without a finite value)"
+                ),
+            )
+            return
+        params = req.params
+        req.output_token_ids.append(token)
+        n = len(req.output_token_ids)
+        req.metrics.num_generated_tokens = n
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        if req.logprobs is not None:
+            req.logprobs.append(self._logprob_entry(req, token, row, arrays))
+        stops_allowed = n >= params.min_tokens
+        if stops_allowed and not params.ignore_eos and token in self.eos_token_ids:
+            self._finish(req, "stop")
+            return
+        if stops_allowed and token in params.stop_token_ids:
+            self._finish(req, "stop", stop_reason=token)
+            return
+        if req.detokenizer is not None:
+            delta = req.detokenizer.push(token)
+            if delta:
+                before = len(req.text)
+                req.text += delta
+                if params.stop and stops_allowed and self._match_stop_string(req, before):
+                    return
+        if n >= params.max_tokens or req.num_known >= self.max_model_len:
+            self._finish(req, "length")
+
+    def _match_stop_string(self, req: Request, before: int) -> bool:
+        """Search the new text (and the overlap a stop string can span) for the earliest stop string."""
+        best: tuple[int, str] | None = None
+        for stop in req.params.stop:
+            idx = req.text.find(stop, max(0, before - len(stop) + 1))
+            if idx >= 0 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return False
+        req.text = req.text[: best[0]]
+        self._finish(req, "stop", stop_reason=best[1], flush_text=False)
+        return True
+
+    def _logprob_entry(
+        self, req: Request, token: int, row: int, arrays: dict[str, np.ndarray | None]
+    ) -> dict[int, Logprob]:
+        lp, rk = arrays["logprob"], arrays["rank"]
+        if lp is None:
+            raise ValueError(
+                f"request {req.request_id!r} asked for logprobs, but process_outputs got no logprob array"
+            )
+        value = float(lp[row])
+        entry = {token: Logprob(value, None if rk is None else int(rk[row]), self._decode_one(token))}
+        assert req.cumulative_logprob is not None
+        req.cumulative_logprob += value
+        n = req.params.logprobs or 0
+        ids, lps = arrays["top_ids"], arrays["top_logprobs"]
+        if n:
+            if ids is None or lps is None or ids.shape[-1] < n:
+                raise ValueError(
+                    f"request {req.request_id!r} asked for {n} top logprobs; process_outputs got "
+                    f"{None if ids is None else ids.shape[-1]}"
+                )
+            for j in range(n):
+                alt = int(ids[row, j])
+                if alt not in entry:
+                    entry[alt] = Logprob(float(lps[row, j]), j + 1, self._decode_one(alt))
+        return entry
+
+    def _decode_one(self, token: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token])
+
+    def _finish(
+        self,
+        req: Request,
+        reason: FinishReason,
+        *,
+        stop_reason: str | int | None = None,
+        error: str | None = None,
+        flush_text: bool = True,
+    ) -> None:
+        if req.detokenizer is not None:
+            rest = req.detokenizer.finish()
+            if flush_text:
+                req.text += rest
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        req.error = error
+        req.metrics.finish_time = self._clock()
+        self._release(req)
+        if req in self._running:
+            self._running.remove(req)
+        elif req in self._waiting:
+            self._waiting.remove(req)
+        self._requests.pop(req.request_id, None)
