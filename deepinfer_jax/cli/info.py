@@ -55,6 +55,10 @@ def collect(fv: flags.FlagValues) -> dict[str, Any]:
         "family": model.family,
         "missing_fields": list(model.missing_fields()),
     }
+    if model.family == "deepseek_v41":
+        from deepinfer_jax.models.deepseek_v4.plan_v41 import build_v41_plan, describe_plan
+
+        out["layer_plan"] = describe_plan(build_v41_plan(model))
     out["record_bytes_per_token"] = dict(cache.record_bytes(model))
     # Exact rationals (a ratio-128 layer adds 2.25 B/token); shown as floats.
     out["kv_bytes_per_token"] = {

@@ -79,6 +79,10 @@ def test_info_tiny_v41(capsys):
     assert model["family"] == "deepseek_v41"
     assert model["builtin"] == "tiny-v41"
     assert "random" in model["weights"]
+    # The static V4.1 layer plan (model.md §15.2): layer 2 reuses layer 1's compressed KV and top-k.
+    layer2 = report["layer_plan"]["layers"][2]
+    assert (layer2["src_kv"], layer2["src_idx"], layer2["ratio"]) == (1, 1, 2)
+    assert report["layer_plan"]["candidate"]["consumers"] == [4, 5]
     # head_dim 128 / index_head_dim 128 in the tiny config: MXFP8 window = 128 + 4 scale bytes, FP4 compressed =
     # 64 code bytes + 8 E4M3 scales, MXFP4 indexer = 64 + 4.
     assert report["record_bytes_per_token"] == {"window": 132, "compressed": 72, "indexer": 68}
