@@ -55,6 +55,11 @@ register_subcommand(
     "deepinfer_jax.cli.convert",
     "convert a checkpoint between an HF safetensors folder and orbax, tensor for tensor, byte for byte",
 )
+register_subcommand(
+    "generate",
+    "deepinfer_jax.cli.generate",
+    "generate completions for prompts with the engine (continuous batching over a paged cache)",
+)
 # Further subcommands are registered here by the issue that implements them.
 
 

@@ -1,0 +1,392 @@
+"""The paged DeepSeek-V3 latent cache: layout, memory planning, token writes, paged reads and attention.
+
+Layout. One array ``[num_layers, num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` holds, for every
+layer (the MTP layers after the backbone), the normalised MLA latent ``c`` followed by the rotated shared key
+``k_pe`` of each cached token. Block ``b`` row ``i`` of a sequence whose block table is ``bt`` holds the token
+at position ``j * block_size + i`` when ``bt[j] == b``. **Block 0 is reserved**: it is never handed to a
+sequence, so ``-1`` entries of a block table (unused) can be clamped to it safely -- every read of such an
+entry is masked by position. Storage is float32 in parity mode and bfloat16 in production mode
+(ARCHITECTURE.md §8; 1152 bytes per token and layer at V3's 512 + 64), ``kv_cache_dtype`` overriding either.
+
+All device functions take the **whole** cache and a static layer index and address it with a single gather or
+scatter, so XLA never slices a layer out (a slice of a donated buffer is a copy) and a decode step's temporary
+memory stays proportional to one block per query token, not to the cache.
+
+:func:`paged_mla_attention` is the reference implementation of op ``"paged_mla_attention"``: the absorbed-MLA
+core of :func:`deepinfer_jax.models.deepseek_v3.attention.mla_attention` over a flat ragged token batch,
+walking each token's block table one block at a time with an online (flash) softmax in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from deepinfer_jax.cache.record_bytes import record_bytes
+from deepinfer_jax.ops.registry import register_op
+
+__all__ = [
+    "LATENT_CACHE_DTYPES",
+    "LatentCacheSpec",
+    "MemoryPlan",
+    "dense_context",
+    "init_latent_cache",
+    "latent_cache_dtype",
+    "paged_mla_attention",
+    "parse_bytes",
+    "plan_latent_cache",
+    "read_tokens",
+    "slot_mapping",
+    "write_tokens",
+]
+
+LATENT_CACHE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+"""Storage dtypes of the paged V3 latent cache."""
+
+_HIGHEST = lax.Precision.HIGHEST
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+_BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: Any, field: str = "kv_cache_memory") -> int:
+    """A byte count from an int or a string such as ``"2GiB"``, ``"512 MiB"``, ``"1.5GB"`` or ``"4096"``.
+
+    Binary (``KiB``, ``MiB``, ``GiB``, ``TiB``) and decimal (``KB`` ... ``TB``) units are accepted,
+    case-insensitive. The result must be a positive whole number of bytes.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise TypeError(f"{field}: expected an int or a string such as '2GiB', got {type(value).__name__}")
+    if isinstance(value, int):
+        number = value
+    else:
+        match = _BYTES_RE.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"{field}: cannot parse {value!r} as a size; expected e.g. '2GiB', '512MiB', '1.5GB' or '4096'"
+            )
+        scaled = float(match.group(1)) * _UNITS[unit]
+        number = int(scaled)
+        if number != scaled:
+            raise ValueError(f"{field}: {value!r} is not a whole number of bytes ({scaled})")
+    if number < 1:
+        raise ValueError(f"{field}: must be at least 1 byte, got {value!r}")
+    return number
+
+
+def latent_cache_dtype(mode: str, kv_cache_dtype: str = "auto") -> str:
+    """Storage dtype of the latent cache for precision ``mode`` and the ``kv_cache_dtype`` override.
+
+    ``"auto"`` follows the mode (float32 parity, bfloat16 production); ``"float32"``/``"bfloat16"`` force it.
+    The V3 FP8 latent record (``"quantized"``) has no paged implementation, so it is refused here.
+    """
+    if mode not in LATENT_CACHE_DTYPES:
+        raise ValueError(f"dtype: {mode!r} is not a precision mode; expected one of {LATENT_CACHE_DTYPES}")
+    if kv_cache_dtype == "auto":
+        return mode
+    if kv_cache_dtype not in LATENT_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype: {kv_cache_dtype!r} is not supported by the DeepSeek-V3 paged latent cache; "
+            f"expected 'auto' or one of {LATENT_CACHE_DTYPES}"
+        )
+    return kv_cache_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentCacheSpec:
+    """Static shape facts of a paged latent cache (hashable: a jit static argument).
+
+    Attributes:
+      num_layers: cached layers (backbone + MTP).
+      num_blocks: blocks, including the reserved block 0.
+      block_size: tokens per block.
+      kv_rank: ``kv_lora_rank`` (the latent width ``C``).
+      rope_dim: ``qk_rope_head_dim`` (``R``).
+      dtype: storage dtype name, one of :data:`LATENT_CACHE_DTYPES`.
+    """
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    kv_rank: int
+    rope_dim: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "block_size", "kv_rank", "rope_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LatentCacheSpec.{name}: expected a positive int, got {value!r}")
+        if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int) or self.num_blocks < 2:
+            raise ValueError(
+                f"LatentCacheSpec.num_blocks: expected an int >= 2 (block 0 is reserved), got {self.num_blocks!r}"
+            )
+        if self.dtype not in LATENT_CACHE_DTYPES:
+            raise ValueError(f"LatentCacheSpec.dtype: {self.dtype!r} is not one of {LATENT_CACHE_DTYPES}")
+
+    @property
+    def width(self) -> int:
+        """Values per cached token and layer, ``C + R``."""
+        return self.kv_rank + self.rope_dim
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.num_layers, self.num_blocks, self.block_size, self.width)
+
+    @property
+    def bytes_per_token_layer(self) -> int:
+        return self.width * np.dtype(jnp.dtype(self.dtype)).itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across all layers (the unit memory planning divides by)."""
+        return self.num_layers * self.block_size * self.bytes_per_token_layer
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def usable_tokens(self) -> int:
+        """Token capacity of the allocatable blocks (all but block 0)."""
+        return (self.num_blocks - 1) * self.block_size
+
+
+def _bytes_per_token_layer(model_config: Any, dtype: str) -> int:
+    width = model_config.kv_lora_rank + model_config.qk_rope_head_dim
+    if dtype == "bfloat16":
+        # The production record of the numerics library (bf16 latent + rope); it agrees with 2 * width.
+        return record_bytes(model_config)["latent"]
+    return width * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """The outcome of :func:`plan_latent_cache`: the spec and the numbers behind it."""
+
+    spec: LatentCacheSpec
+    budget_bytes: int
+    reserved_bytes: int
+    bytes_per_token_layer: int
+
+    @property
+    def unused_bytes(self) -> int:
+        return self.budget_bytes - self.reserved_bytes - self.spec.total_bytes
+
+    def describe(self) -> str:
+        """A multi-line human-readable breakdown (printed when an engine starts)."""
+        s = self.spec
+        mib = 1 << 20
+        lines = [
+            f"KV cache plan: budget {self.budget_bytes / mib:.1f} MiB",
+            f"  per-sequence state and other reservations: {self.reserved_bytes / mib:.2f} MiB",
+            f"  latent record: {s.width} values ({s.kv_rank} latent + {s.rope_dim} rope) x {s.dtype} = "
+            f"{self.bytes_per_token_layer} B per token per layer",
+            f"  block: {s.block_size} tokens x {s.num_layers} layers = {s.bytes_per_block} B",
+            f"  blocks: {s.num_blocks} ({s.num_blocks - 1} usable + reserved block 0) = "
+            f"{s.total_bytes / mib:.2f} MiB, {s.usable_tokens} tokens",
+            f"  unused: {self.unused_bytes / mib:.2f} MiB",
+        ]
+        return "\n".join(lines)
+
+
+def plan_latent_cache(
+    model_config: Any,
+    budget_bytes: int,
+    *,
+    block_size: int,
+    dtype: str,
+    reserved_bytes: int = 0,
+    num_blocks: int | None = None,
+) -> MemoryPlan:
+    """Size the paged latent cache of a V3 model from a byte budget.
+
+    ``reserved_bytes`` (per-sequence state, other fixed buffers) come off the budget first; the rest is split
+    into whole blocks of ``block_size`` tokens across all cached layers (``num_layers_total`` of the config:
+    the MTP layers keep a cache too). ``num_blocks`` fixes the count instead (it must still fit the budget).
+    At least two blocks (the reserved one and one usable) must fit, else ``ValueError``.
+    """
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
+        raise ValueError(f"kv_cache_memory: expected a positive number of bytes, got {budget_bytes!r}")
+    if isinstance(reserved_bytes, bool) or not isinstance(reserved_bytes, int) or reserved_bytes < 0:
+        raise ValueError(f"reserved_bytes: expected an int >= 0, got {reserved_bytes!r}")
+    if dtype not in LATENT_CACHE_DTYPES:
+        raise ValueError(
+            f"dtype: {dtype!r} is not a latent cache dtype; expected one of {LATENT_CACHE_DTYPES}"
+        )
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"cache.block_size: expected a positive int, got {block_size!r}")
+    per_token = _bytes_per_token_layer(model_config, dtype)
+    layers = int(model_config.num_layers_total)
+    per_block = per_token * block_size * layers
+    available = budget_bytes - reserved_bytes
+    fitting = available // per_block if available > 0 else 0
+    if num_blocks is None:
+        num_blocks = int(fitting)
+    elif num_blocks > fitting:
+        raise ValueError(
+            f"cache.num_blocks = {num_blocks}: needs {num_blocks * per_block} B but kv_cache_memory leaves "
+            f"{available} B after {reserved_bytes} B of state"
+        )
+    if num_blocks < 2:
+        raise ValueError(
+            f"kv_cache_memory = {budget_bytes} B: too small for the paged cache; one block of {block_size} tokens "
+            f"over {layers} layers takes {per_block} B, at least 2 blocks (one reserved) plus {reserved_bytes} B "
+            f"of state are needed ({2 * per_block + reserved_bytes} B)"
+        )
+    spec = LatentCacheSpec(
+        num_layers=layers,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        kv_rank=int(model_config.kv_lora_rank),
+        rope_dim=int(model_config.qk_rope_head_dim),
+        dtype=dtype,
+    )
+    return MemoryPlan(spec, budget_bytes, reserved_bytes, per_token)
+
+
+def init_latent_cache(spec: LatentCacheSpec, sharding: Any = None) -> jax.Array:
+    """A zeroed cache of ``spec.shape`` in the storage dtype (zeros keep masked reads finite)."""
+    if sharding is None:
+        return jnp.zeros(spec.shape, jnp.dtype(spec.dtype))
+    return jax.jit(lambda: jnp.zeros(spec.shape, jnp.dtype(spec.dtype)), out_shardings=sharding)()
+
+
+# -------------------------------------------------------------------------------------- device
+
+
+def slot_mapping(
+    block_tables: jax.Array, token_seq: jax.Array, positions: jax.Array, block_size: int, num_blocks: int
+) -> tuple[jax.Array, jax.Array]:
+    """Where each token of a ragged batch lives: ``(block ids [T], offsets [T])``.
+
+    ``token_seq[t]`` is the row of ``block_tables [S, M]`` owning token ``t`` (``S`` or more = padding).
+    Padding tokens, and tokens whose table entry is unused (``-1``), map to block ``num_blocks`` -- out of
+    range, so a scatter with ``mode="drop"`` ignores them.
+    """
+    seqs, max_blocks = block_tables.shape
+    real = token_seq < seqs
+    row = jnp.where(real, token_seq, 0)
+    index = jnp.clip(positions // block_size, 0, max_blocks - 1)
+    block = block_tables[row, index]
+    valid = real & (block >= 0) & (positions // block_size < max_blocks)
+    return jnp.where(valid, block, num_blocks).astype(jnp.int32), (positions % block_size).astype(jnp.int32)
+
+
+def write_tokens(
+    cache: jax.Array, layer: int, entries: jax.Array, blocks: jax.Array, offsets: jax.Array
+) -> jax.Array:
+    """``cache`` with ``entries [T, C + R]`` written at ``(layer, blocks[t], offsets[t])``.
+
+    Tokens whose block is out of range (padding, see :func:`slot_mapping`) are dropped. Under ``jax.jit`` with
+    the cache donated this is an in-place scatter.
+    """
+    return cache.at[layer, blocks, offsets].set(entries.astype(cache.dtype), mode="drop")
+
+
+def read_tokens(cache: jax.Array, layer: int, blocks: jax.Array, offsets: jax.Array) -> jax.Array:
+    """The entries at ``(layer, blocks, offsets)`` (matching index shapes); out-of-range blocks read 0."""
+    return cache.at[layer, blocks, offsets].get(mode="fill", fill_value=0)
+
+
+def paged_mla_attention(
+    q_lat: jax.Array,
+    q_pe: jax.Array,
+    cache: jax.Array,
+    layer: int,
+    token_seq: jax.Array,
+    positions: jax.Array,
+    block_tables: jax.Array,
+    context_lens: jax.Array,
+    *,
+    scale: float,
+) -> jax.Array:
+    """Absorbed MLA over the paged cache for a flat ragged batch (reference of op ``"paged_mla_attention"``).
+
+    Args:
+      q_lat: ``[T, Nh, C]`` queries in the latent space (``q_nope · W_UK``).
+      q_pe: ``[T, Nh, R]`` rotated RoPE queries.
+      cache: the whole paged cache ``[L, num_blocks, block_size, C + R]``; this step's tokens are already in
+      it.
+      layer: the static layer index into ``cache``.
+      token_seq: ``int [T]`` row of ``block_tables`` owning each token; ``>= S`` marks padding (output zeros).
+      positions: ``int [T]`` absolute positions; key position ``k`` is visible to a query at ``p`` iff ``k <=
+      p``.
+      block_tables: ``int [S, M]`` physical block ids of each sequence; unused entries ``-1``.
+      context_lens: ``int [S]`` cached tokens of each sequence after this step's writes (bounds the block
+      walk).
+      scale: the softmax scale.
+
+    Returns:
+      ``[T, Nh, C]`` float32 probability-weighted latents. The loop runs over the blocks of the longest
+      context in the batch, one block per query token per iteration (``T · block_size · (C + R)`` values of
+      temporary memory), with a running max and sum in float32.
+    """
+    tokens, heads, kv_rank = q_lat.shape
+    seqs, max_blocks = block_tables.shape
+    block_size = cache.shape[2]
+    real = token_seq < seqs
+    row = jnp.where(real, token_seq, 0)
+    tables = jnp.where(block_tables >= 0, block_tables, 0)[
+        row
+    ]  # [T, M]; -1 -> reserved block 0, masked below
+    q_lat32 = q_lat.astype(jnp.float32)
+    q_pe32 = q_pe.astype(jnp.float32)
+    pos = jnp.where(real, positions, -1).astype(jnp.int32)
+    max_len = jnp.max(context_lens).astype(jnp.int32)
+    num_iters = jnp.minimum((max_len + block_size - 1) // block_size, max_blocks)
+    offsets = jnp.arange(block_size, dtype=jnp.int32)
+
+    def body(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+        peak, total, acc = carry
+        blk = lax.dynamic_index_in_dim(tables, j, axis=1, keepdims=False)  # [T]
+        kv = cache[layer, blk].astype(jnp.float32)  # [T, bs, C + R]
+        c, k_pe = kv[..., :kv_rank], kv[..., kv_rank:]
+        scores = jnp.einsum("thc,tkc->thk", q_lat32, c, precision=_HIGHEST) + jnp.einsum(
+            "thr,tkr->thk", q_pe32, k_pe, precision=_HIGHEST
+        )
+        scores = scores * jnp.float32(scale)
+        visible = (j * block_size + offsets)[None, :] <= pos[:, None]  # [T, bs]
+        scores = jnp.where(visible[:, None, :], scores, -jnp.inf)
+        new_peak = jnp.maximum(peak, jnp.max(scores, axis=-1))
+        safe_peak = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
+        correction = jnp.where(jnp.isfinite(peak), jnp.exp(peak - safe_peak), 0.0)
+        probs = jnp.where(visible[:, None, :], jnp.exp(scores - safe_peak[..., None]), 0.0)
+        total = total * correction + jnp.sum(probs, axis=-1)
+        acc = acc * correction[..., None] + jnp.einsum("thk,tkc->thc", probs, c, precision=_HIGHEST)
+        return new_peak, total, acc
+
+    init = (
+        jnp.full((tokens, heads), -jnp.inf, jnp.float32),
+        jnp.zeros((tokens, heads), jnp.float32),
+        jnp.zeros((tokens, heads, kv_rank), jnp.float32),
+    )
+    _, total, acc = lax.fori_loop(0, num_iters, body, init)
+    return acc / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+register_op(
+    "paged_mla_attention",
+    paged_mla_attention,
+    doc="absorbed MLA over a paged latent cache for a ragged token batch, blockwise online softmax (model.md §16)",
+)
+
+
+def dense_context(cache: np.ndarray, layer: int, block_table: np.ndarray, length: int) -> np.ndarray:
+    """Host helper: the first ``length`` cached tokens of one sequence, ``[length, C + R]`` (for tests)."""
+    block_size = cache.shape[2]
+    needed = math.ceil(length / block_size)
+    if needed > len(block_table) or np.any(np.asarray(block_table[:needed]) < 0):
+        raise ValueError(
+            f"block_table: {length} tokens need {needed} allocated blocks, got {list(block_table)}"
+        )
+    rows = np.asarray(cache[layer])[np.asarray(block_table[:needed])].reshape(-1, cache.shape[3])
+    return rows[:length]

@@ -1,0 +1,116 @@
+"""`deepinfer-jax generate`: run prompts through the engine (:class:`deepinfer_jax.LLM`) and print the
+completions.
+
+Prompts come from `--prompt` (repeatable) or `--prompt_ids` (comma-separated token ids, repeatable, for models
+without a tokenizer). A progress bar runs while the requests are generated, and a one-line summary (requests,
+tokens, tokens/s, compile time) follows. Built-in models have random weights, so their text is noise; the
+command says so.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import flags
+
+from deepinfer_jax import config as config_lib
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string(
+        "model", None, "a built-in model name (tiny-v3, ...) or a model folder", flag_values=fv, required=True
+    )
+    flags.DEFINE_multi_string("prompt", [], "a text prompt (repeatable)", flag_values=fv)
+    flags.DEFINE_multi_string(
+        "prompt_ids", [], "a prompt as comma-separated token ids (repeatable)", flag_values=fv
+    )
+    flags.DEFINE_enum(
+        "dtype",
+        "bfloat16",
+        ["float32", "bfloat16"],
+        "precision mode: float32 (parity) or bfloat16 (production)",
+        flag_values=fv,
+    )
+    flags.DEFINE_string("kv_cache_dtype", "auto", "cache storage: auto, float32 or bfloat16", flag_values=fv)
+    flags.DEFINE_string(
+        "kv_cache_memory", None, "cache budget, e.g. 512MiB (default: 2GiB on CPU)", flag_values=fv
+    )
+    flags.DEFINE_integer(
+        "max_model_len", None, "most tokens per request (default: the model's)", flag_values=fv
+    )
+    flags.DEFINE_integer("max_num_seqs", 256, "most sequences per step", flag_values=fv)
+    flags.DEFINE_integer("max_num_batched_tokens", 2048, "most tokens per step", flag_values=fv)
+    flags.DEFINE_integer("max_tokens", 16, "tokens to generate per prompt", flag_values=fv)
+    flags.DEFINE_float("temperature", 1.0, "sampling temperature; 0 = greedy", flag_values=fv)
+    flags.DEFINE_float("top_p", 1.0, "nucleus sampling threshold", flag_values=fv)
+    flags.DEFINE_integer("top_k", -1, "top-k sampling (-1 = off)", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "engine seed (derives each request's sampling seed)", flag_values=fv)
+    flags.DEFINE_boolean("ignore_eos", False, "keep generating after EOS", flag_values=fv)
+    flags.DEFINE_multi_string(
+        "set", [], "an engine config override, e.g. --set cache.block_size=16 (repeatable)", flag_values=fv
+    )
+    flags.DEFINE_boolean("progress", True, "show a progress bar", flag_values=fv)
+
+
+def _parse_ids(items: list[str]) -> list[list[int]]:
+    out = []
+    for i, item in enumerate(items):
+        try:
+            out.append([int(x) for x in item.split(",") if x.strip()])
+        except ValueError:
+            raise ValueError(f"--prompt_ids[{i}]: {item!r} is not a comma-separated list of ints") from None
+    return out
+
+
+def main(argv: list[str], fv: flags.FlagValues) -> int:
+    if len(argv) > 1:
+        print(f"generate: unexpected arguments {argv[1:]}; prompts go in --prompt", file=sys.stderr)
+        return 2
+    if bool(fv.prompt) == bool(fv.prompt_ids):
+        print("generate: give --prompt or --prompt_ids (one of them)", file=sys.stderr)
+        return 2
+    from deepinfer_jax.engine.llm import LLM
+    from deepinfer_jax.engine.params import SamplingParams
+    from deepinfer_jax.models import builtin
+
+    try:
+        llm = LLM(
+            fv.model,
+            dtype=fv.dtype,
+            kv_cache_dtype=fv.kv_cache_dtype,
+            max_model_len=fv.max_model_len,
+            max_num_seqs=fv.max_num_seqs,
+            max_num_batched_tokens=fv.max_num_batched_tokens,
+            kv_cache_memory=fv.kv_cache_memory,
+            seed=fv.seed,
+            **config_lib.parse_overrides(fv.set),
+        )
+        params = SamplingParams(
+            temperature=fv.temperature,
+            top_p=fv.top_p,
+            top_k=fv.top_k,
+            max_tokens=fv.max_tokens,
+            ignore_eos=fv.ignore_eos,
+        )
+        if builtin.is_builtin(fv.model):
+            print(f"{fv.model} is a built-in test model with random weights: its completions are noise.")
+        print(llm.memory_plan.describe())
+        if fv.prompt:
+            outputs = llm.generate(list(fv.prompt), params, use_tqdm=fv.progress)
+        else:
+            outputs = llm.generate(
+                prompt_token_ids=_parse_ids(list(fv.prompt_ids)), sampling_params=params, use_tqdm=fv.progress
+            )
+    except (ValueError, TypeError, NotImplementedError) as err:
+        print(f"generate: error: {err}", file=sys.stderr)
+        return 2
+    for i, out in enumerate(outputs):
+        c = out.outputs[0]
+        shown = out.prompt if out.prompt is not None else out.prompt_token_ids
+        print(f"[{i}] prompt: {shown!r}")
+        print(f"[{i}] output ({c.finish_reason}): {c.text!r} ids={c.token_ids}")
+        if c.error:
+            print(f"[{i}] error: {c.error}")
+    assert llm.last_stats is not None
+    print(llm.last_stats.summary(len(outputs)))
+    return 0

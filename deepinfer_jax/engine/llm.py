@@ -1,0 +1,394 @@
+"""The offline facade: ``LLM(model, ...)`` and ``LLM.generate(...)`` (vLLM's shape, the issue's contract).
+
+Construction loads the model, sizes the paged cache from ``kv_cache_memory`` (logging the breakdown), and
+builds the scheduler, the step executor and the runner. :meth:`LLM.generate` validates every request first
+(tier 1 of ARCHITECTURE §7: any bad argument raises ``ValueError``/``TypeError`` naming the field and the
+request index, before anything is queued), then runs them all to completion with continuous batching and
+returns one :class:`~deepinfer_jax.engine.params.RequestOutput` per request, in input order. A request that
+fails at run time (it can never fit the cache, or its logits are unusable) ends alone with
+``finish_reason="error"``.
+
+Only the DeepSeek-V3 family runs here so far; V4 and V4.1 need their paged caches and step, and are refused
+with ``NotImplementedError`` at construction, before any weight is read.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+from absl import logging
+
+from deepinfer_jax.cache.paged import latent_cache_dtype, parse_bytes, plan_latent_cache
+from deepinfer_jax.checkpoint.model_loading import DTYPES, load_model
+from deepinfer_jax.config import load_config
+from deepinfer_jax.engine.buckets import step_buckets
+from deepinfer_jax.engine.params import RequestOutput, SamplingParams, validate_request
+from deepinfer_jax.engine.runner import EngineRunner, RunStats
+from deepinfer_jax.engine.scheduler import Scheduler
+from deepinfer_jax.engine.step import StepExecutor, state_bytes
+from deepinfer_jax.models import builtin
+from deepinfer_jax.text.tokenizer import Tokenizer
+
+__all__ = ["DEFAULT_CPU_CACHE_MEMORY", "LLM", "derive_seed"]
+
+DEFAULT_CPU_CACHE_MEMORY = 2 << 30
+"""``kv_cache_memory`` default on CPU (2 GiB); on an accelerator 90% of the memory left after the weights."""
+
+_SUPPORTED_FAMILIES = ("deepseek_v3",)
+# Config names that LLM's own keyword arguments set; giving them as overrides too would be ambiguous.
+_ARGUMENT_KEYS = {
+    "dtype": "dtype",
+    "kv_cache_dtype": "kv_cache_dtype",
+    "max_model_len": "max_model_len",
+    "seed": "seed",
+    "scheduler.max_num_seqs": "max_num_seqs",
+    "scheduler.max_num_batched_tokens": "max_num_batched_tokens",
+    "ops.batch_invariant": "batch_invariant",
+    "parallel.data_parallel_size": "data_parallel_size",
+    "parallel.expert_parallel_size": "expert_parallel_size",
+}
+_MASK64 = (1 << 64) - 1
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """The sampling seed of request ``index`` of a ``generate`` call when it gives no ``seq_seed``.
+
+    A SplitMix64 finaliser over ``(seed, index)``: distinct requests get unrelated 64-bit seeds, and the same
+    ``LLM(seed=)`` and batch reproduce them exactly.
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} ({value!r})")
+    if value < low:
+        raise ValueError(f"{name}: must be >= {low}, got {value}")
+    return value
+
+
+def _resolve_model(model: Any) -> Path:
+    if not isinstance(model, str | os.PathLike):
+        raise TypeError(
+            f"model: expected a model folder or a built-in name (str), got {type(model).__name__}"
+        )
+    path = Path(model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model: folder {str(path)!r} has no config.json")
+        return path
+    if isinstance(model, str) and builtin.is_builtin(model):
+        return builtin.materialize(model)
+    raise ValueError(
+        f"model: {str(model)!r} is neither an existing model folder nor a built-in model "
+        f"(built-in: {', '.join(builtin.list_builtin())})"
+    )
+
+
+def _resolve_tokenizer(tokenizer: Any, model_dir: Path) -> Tokenizer | None:
+    if tokenizer is None:
+        candidate = model_dir / "tokenizer.json"
+        return Tokenizer.from_file(candidate) if candidate.is_file() else None
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    if not isinstance(tokenizer, str | os.PathLike):
+        raise TypeError(f"tokenizer: expected a path or a Tokenizer, got {type(tokenizer).__name__}")
+    path = Path(tokenizer)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(
+            f"tokenizer: {str(tokenizer)!r} is not a tokenizer.json file or a folder holding one"
+        )
+    return Tokenizer.from_file(path)
+
+
+def _default_cache_memory(params: Any) -> int:
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return DEFAULT_CPU_CACHE_MEMORY
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        return DEFAULT_CPU_CACHE_MEMORY
+    used = stats.get("bytes_in_use", sum(x.nbytes for x in jax.tree.leaves(params)))
+    return max(int(0.9 * (limit - used)), 1)
+
+
+class LLM:
+    """Offline inference over a DeepSeek model: ``LLM("tiny-v3").generate(["Hello"])``.
+
+    Args:
+      model: an HF model folder, an orbax checkpoint folder (with its ``config.json``) or a built-in name.
+      tokenizer: a ``tokenizer.json`` path (or folder), a :class:`Tokenizer`, or ``None`` for the model
+      folder's
+        own; a folder without one still runs token-id prompts (``text`` stays ``""``).
+      dtype: ``"float32"`` (parity mode) or ``"bfloat16"`` (production mode).
+      kv_cache_dtype: ``"auto"`` (follow ``dtype``), ``"float32"`` or ``"bfloat16"``.
+      max_model_len: most tokens (prompt + output) per request; default the model's
+        ``max_position_embeddings``, capped by what the cache holds for one request (logged when capped).
+      max_num_seqs: most sequences per step and holding cache at once.
+      max_num_batched_tokens: most tokens per step (chunked prefill splits longer prompts).
+      kv_cache_memory: bytes (int) or a string such as ``"2GiB"`` for the cache and per-sequence state.
+      seed: derives the seed of every request without ``seq_seed`` (with the request's index).
+      batch_invariant: sampling results of a row independent of the batch (``None``-like default: the config's
+        ``ops.batch_invariant``, e.g. ``DEEPINFER_BATCH_INVARIANT=1``, applies when this is False).
+      data_parallel_size, expert_parallel_size: mesh axes; only 1 is supported so far.
+      **engine_overrides: dotted config names (``{"cache.block_size": 16}``), as :func:`load_config` takes.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        tokenizer: str | os.PathLike[str] | Tokenizer | None = None,
+        dtype: str = "bfloat16",
+        kv_cache_dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        kv_cache_memory: int | str | None = None,
+        seed: int = 0,
+        batch_invariant: bool = False,
+        data_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
+        **engine_overrides: Any,
+    ) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: {dtype!r} is not a precision mode; expected one of {DTYPES}")
+        max_num_seqs = _check_int("max_num_seqs", max_num_seqs, 1)
+        max_num_batched_tokens = _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        seed = _check_int("seed", seed, 0)
+        if seed >= 1 << 64:
+            raise ValueError(f"seed: must be < 2**64, got {seed}")
+        if max_model_len is not None:
+            max_model_len = _check_int("max_model_len", max_model_len, 2)
+        if not isinstance(batch_invariant, bool):
+            raise TypeError(f"batch_invariant: expected a bool, got {type(batch_invariant).__name__}")
+        for name, value in (
+            ("data_parallel_size", data_parallel_size),
+            ("expert_parallel_size", expert_parallel_size),
+        ):
+            if _check_int(name, value, 1) != 1:
+                raise NotImplementedError(f"{name} = {value}: the engine runs on one device so far; use 1")
+        for key in engine_overrides:
+            if key.startswith("model."):
+                raise ValueError(
+                    f"engine_overrides: {key!r} changes the model; edit the model's config.json instead"
+                )
+            if key in _ARGUMENT_KEYS:
+                raise ValueError(
+                    f"engine_overrides: {key!r} is the LLM argument {_ARGUMENT_KEYS[key]!r}; pass it as that"
+                )
+        budget = None if kv_cache_memory is None else parse_bytes(kv_cache_memory)
+        cache_dtype = latent_cache_dtype(dtype, kv_cache_dtype)
+
+        model_dir = _resolve_model(model)
+        overrides: dict[str, Any] = {
+            "dtype": dtype,
+            "kv_cache_dtype": kv_cache_dtype,
+            "seed": seed,
+            "speculative.num_draft_tokens": 0,
+            "scheduler.chunked_prefill": True,
+            "scheduler.max_num_seqs": min(max_num_seqs, max_num_batched_tokens),
+            "scheduler.max_num_batched_tokens": max_num_batched_tokens,
+            "ops.batch_invariant": True if batch_invariant else None,
+            **engine_overrides,
+        }
+        config = load_config(model_dir, overrides=overrides)
+        family = config.require_model("LLM").family
+        if family not in _SUPPORTED_FAMILIES:
+            raise NotImplementedError(
+                f"model: the engine's paged caches and step exist only for {', '.join(_SUPPORTED_FAMILIES)} so "
+                f"far; {family} engine support (its compressed/window caches and state slots) is not implemented yet"
+            )
+        self.config = config
+        self.model = load_model(model_dir, dtype)
+        cfg = self.model.config
+        self.tokenizer = _resolve_tokenizer(tokenizer, model_dir)
+        eos = cfg.eos_token_id
+        self.eos_token_ids: tuple[int, ...] = (
+            () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+        )
+        self.seed = seed
+        self.batch_invariant = bool(config.ops.batch_invariant)
+
+        num_slots = max_num_seqs + 1
+        if budget is None:
+            budget = _default_cache_memory(self.model.params)
+        self.memory_plan = plan_latent_cache(
+            cfg,
+            budget,
+            block_size=config.cache.block_size,
+            dtype=cache_dtype,
+            reserved_bytes=state_bytes(num_slots, cfg.vocab_size),
+            num_blocks=config.cache.num_blocks,
+        )
+        spec = self.memory_plan.spec
+        logging.info("%s", self.memory_plan.describe())
+        capacity = spec.usable_tokens + 1  # the last sampled token never enters the cache
+        natural = cfg.max_position_embeddings or capacity
+        if max_model_len is None:
+            max_model_len = min(natural, capacity)
+            if natural > capacity:
+                logging.warning(
+                    "max_model_len capped to %d tokens (the cache holds %d tokens for one request; the model "
+                    "allows %d)",
+                    max_model_len,
+                    spec.usable_tokens,
+                    natural,
+                )
+        elif max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len: {max_model_len} tokens do not fit the cache for one request ({spec.usable_tokens} "
+                f"cached tokens in {spec.num_blocks - 1} blocks of {spec.block_size}); raise kv_cache_memory or "
+                "lower max_model_len"
+            )
+        self.max_model_len = max_model_len
+        max_blocks = -(-(max_model_len - 1) // spec.block_size)
+        buckets = step_buckets(max_num_batched_tokens, max_num_seqs)
+        self.scheduler = Scheduler(
+            num_blocks=spec.num_blocks,
+            block_size=spec.block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            vocab_size=cfg.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            num_state_slots=num_slots,
+            max_blocks_per_seq=max_blocks,
+            buckets=buckets,
+            tokenizer=self.tokenizer,
+        )
+        self.executor = StepExecutor(
+            self.model.params,
+            cfg,
+            spec,
+            num_slots=num_slots,
+            max_blocks_per_seq=max_blocks,
+            batch_invariant=self.batch_invariant,
+        )
+        self.runner = EngineRunner(
+            self.scheduler, self.executor, vocab_size=cfg.vocab_size, eos_token_ids=self.eos_token_ids
+        )
+        self.last_stats: RunStats | None = None
+        self._next_id = 0
+
+    # -------------------------------------------------------------------------------------- inputs
+
+    def _prompts(self, prompts: Any, prompt_token_ids: Any) -> tuple[list[str | None], list[Any]]:
+        if prompts is not None and prompt_token_ids is not None:
+            raise ValueError("generate: give prompts or prompt_token_ids, not both")
+        if prompts is None and prompt_token_ids is None:
+            raise ValueError("generate: prompts and prompt_token_ids are both None; give one of them")
+        if prompts is not None:
+            items = [prompts] if isinstance(prompts, str) else prompts
+            if not isinstance(items, Sequence) or isinstance(items, bytes | bytearray):
+                raise TypeError(f"prompts: expected a str or a list of str, got {type(prompts).__name__}")
+            texts: list[str | None] = []
+            for i, text in enumerate(items):
+                if not isinstance(text, str):
+                    raise TypeError(f"prompts[{i}]: expected a str, got {type(text).__name__}")
+                if not text:
+                    raise ValueError(f"prompts[{i}]: the prompt is empty")
+                texts.append(text)
+            if self.tokenizer is None:
+                raise ValueError(
+                    "prompts: this model has no tokenizer (no tokenizer.json in its folder and none given as "
+                    "LLM(tokenizer=...)); pass prompt_token_ids instead"
+                )
+            return texts, [self.tokenizer.encode(t) for t in texts]
+        ids = prompt_token_ids
+        if not isinstance(ids, Sequence) and not hasattr(ids, "ndim"):
+            raise TypeError(
+                f"prompt_token_ids: expected a list of ints or a list of lists of ints, got {type(ids).__name__}"
+            )
+        if len(ids) and all(not isinstance(x, Sequence) and not hasattr(x, "ndim") for x in ids):
+            ids = [ids]  # one prompt given as a flat list of ids
+        if not len(ids):
+            raise ValueError("prompt_token_ids: the list of prompts is empty")
+        return [None] * len(ids), list(ids)
+
+    def _sampling_params(self, sampling_params: Any, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if not isinstance(sampling_params, Sequence):
+            raise TypeError(
+                f"sampling_params: expected a SamplingParams or a list of them, got {type(sampling_params).__name__}"
+            )
+        if len(sampling_params) != n:
+            raise ValueError(
+                f"sampling_params: {len(sampling_params)} entries for {n} prompts; give one per prompt"
+            )
+        for i, p in enumerate(sampling_params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}]: expected a SamplingParams, got {type(p).__name__}")
+        return list(sampling_params)
+
+    # -------------------------------------------------------------------------------------- generate
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one :class:`RequestOutput` per prompt, in input order.
+
+        Every request is validated before any is queued: bad input raises and leaves the engine untouched.
+        ``use_tqdm`` shows a progress bar over finished requests and then a one-line summary (requests,
+        tokens, tokens/s, compilations and their time) on stderr; :attr:`last_stats` holds the same numbers.
+        """
+        texts, id_lists = self._prompts(prompts, prompt_token_ids)
+        params = self._sampling_params(sampling_params, len(id_lists))
+        cfg = self.model.config
+        checked = []
+        for i, (ids, p) in enumerate(zip(id_lists, params)):
+            arr = validate_request(
+                ids, p, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, index=i
+            )
+            if p.stop and self.tokenizer is None:
+                raise ValueError(f"request {i}: sampling_params.stop needs a tokenizer; this model has none")
+            if p.prompt_logprobs is not None:
+                raise ValueError(
+                    f"request {i}: sampling_params.prompt_logprobs = {p.prompt_logprobs}: prompt logprobs are not "
+                    "computed by the engine yet; pass None"
+                )
+            checked.append(arr)
+        request_ids = []
+        for i, (arr, p, text) in enumerate(zip(checked, params, texts)):
+            rid = f"req-{self._next_id}"
+            self._next_id += 1
+            seed = p.seq_seed if p.seq_seed is not None else derive_seed(self.seed, i)
+            self.scheduler.add_request(rid, arr, p, seed=seed, prompt=text)
+            request_ids.append(rid)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(request_ids), desc="generate", unit="req", dynamic_ncols=True)
+        try:
+            outputs, stats = self.runner.run(
+                on_finished=(lambda _: bar.update(1)) if bar is not None else None
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+        self.last_stats = stats
+        if use_tqdm:
+            print(stats.summary(len(request_ids)), file=sys.stderr)
+        by_id = {o.request_id: o for o in outputs}
+        return [by_id[rid] for rid in request_ids]
+
+    def __repr__(self) -> str:
+        return f"LLM({self.model!r}, max_model_len={self.max_model_len}, blocks={self.memory_plan.spec.num_blocks})"

@@ -1,0 +1,269 @@
+"""The per-row sampling parameters of one step as arrays: :class:`SamplingTensors`.
+
+The scheduler knows each request's :class:`~deepinfer_jax.engine.params.SamplingParams`; the jitted step needs
+them as fixed-shape arrays, one row per sampled sequence, padded to the step's sequence bucket.
+:meth:`SamplingTensors.build` does that conversion on the host, in numpy, once per step, and normalises every
+"off" spelling into one neutral value per field (top-k off = the vocabulary size, top-p off = 1.0, ...) so the
+device code needs no special cases.
+
+This module sits below the engine and never imports it: a request's parameters are read by attribute name from
+any object providing the fields of :data:`ROW_FIELDS` (the engine's ``SamplingParams`` does).
+
+Masks. The ids a row must never produce *in this step* are given as a short padded list ``masked_ids[S, K]``
+rather than a ``[S, V]`` boolean mask (hundreds of bytes per step instead of megabytes): the engine-wide banned
+ids, plus — while a request has produced fewer than ``min_tokens`` tokens — its EOS ids (unless ``ignore_eos``)
+and its ``stop_token_ids`` (vLLM's semantics of ``min_tokens``). ``K`` is rounded up to a power of two so that
+varying stop lists cost at most a handful of compiled variants.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from deepinfer_jax.sampling.rng import split_seed
+
+__all__ = ["ROW_FIELDS", "SamplingTensors"]
+
+ROW_FIELDS: tuple[str, ...] = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_tokens",
+    "stop_token_ids",
+    "ignore_eos",
+)
+"""Attributes :meth:`SamplingTensors.build` reads from each request's parameters."""
+
+_MAX_POSITION = 2**31 - 1
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling parameters of one step, every field an array with leading axis ``S`` (rows).
+
+    Built on the host with numpy by :meth:`build`; move it to the device with ``jax.device_put`` (it is a
+    pytree). Padding rows are greedy with no penalty and no mask, so they cost nothing and draw nothing.
+
+    Attributes:
+      temperature: float32 ``[S]``; 0 = greedy (exact argmax).
+      top_p: float32 ``[S]`` in (0, 1]; 1 = off.
+      top_k: int32 ``[S]`` in [1, V]; V = off.
+      min_p: float32 ``[S]`` in [0, 1]; 0 = off.
+      repetition_penalty: float32 ``[S]`` > 0; 1 = off.
+      presence_penalty: float32 ``[S]`` in [-2, 2]; 0 = off.
+      frequency_penalty: float32 ``[S]`` in [-2, 2]; 0 = off.
+      seed: uint32 ``[S, 2]`` the ``(lo, hi)`` words of each row's 64-bit seed.
+      position: int32 ``[S]`` 0-based position of the token this row samples.
+      masked_ids: int32 ``[S, K]`` ids whose logit is -inf this step; -1 = unused entry.
+    """
+
+    temperature: Any
+    top_p: Any
+    top_k: Any
+    min_p: Any
+    repetition_penalty: Any
+    presence_penalty: Any
+    frequency_penalty: Any
+    seed: Any
+    position: Any
+    masked_ids: Any
+
+    @property
+    def num_rows(self) -> int:
+        """``S``, the number of rows including padding."""
+        return int(self.temperature.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        params_list: Sequence[Any],
+        seeds: Sequence[int],
+        positions: Sequence[int] | np.ndarray,
+        vocab_size: int,
+        *,
+        output_lens: Sequence[int] | np.ndarray | None = None,
+        eos_token_ids: Sequence[int] = (),
+        banned_token_ids: Sequence[int] = (),
+        num_rows: int | None = None,
+        mask_width: int | None = None,
+    ) -> SamplingTensors:
+        """Convert the parameters of the rows sampled in one step to padded numpy arrays.
+
+        Args:
+          params_list: one object per real row with the attributes of :data:`ROW_FIELDS`.
+          seeds: each row's resolved 64-bit seed in ``[0, 2**64)`` (the engine derives one for requests
+            without ``seq_seed``).
+          positions: 0-based position of the token each row samples (its sequence length after the step).
+          vocab_size: ``V``, the width of the logits.
+          output_lens: tokens each row has generated so far (for ``min_tokens``); default all 0.
+          eos_token_ids: the model's EOS ids, masked before ``min_tokens`` unless a row has ``ignore_eos``.
+          banned_token_ids: ids masked in every real row (the engine-wide blacklist).
+          num_rows: pad to this many rows (the step's sequence bucket); default ``len(params_list)``.
+          mask_width: ``K``, the width of ``masked_ids``; default the smallest power of two that fits.
+
+        Raises:
+          TypeError / ValueError: a malformed argument, or a parameter outside its range; the message names the
+            field, the row index, the value and the limit.
+        """
+        n = len(params_list)
+        vocab = _positive_int("vocab_size", vocab_size)
+        rows = n if num_rows is None else _positive_int("num_rows", num_rows, allow_zero=True)
+        if rows < n:
+            raise ValueError(f"SamplingTensors.build: num_rows = {rows} is smaller than the {n} rows given")
+        seeds = list(seeds)
+        if len(seeds) != n:
+            raise ValueError(f"SamplingTensors.build: seeds has {len(seeds)} entries for {n} rows")
+        pos = _int_column("positions", positions, n, lo=0, hi=_MAX_POSITION)
+        outs = (
+            np.zeros(n, np.int64) if output_lens is None else _int_column("output_lens", output_lens, n, lo=0)
+        )
+        eos = _id_list("eos_token_ids", eos_token_ids, vocab)
+        banned = _id_list("banned_token_ids", banned_token_ids, vocab)
+
+        out = _neutral(rows, vocab)
+        masks: list[list[int]] = []
+        for i, p in enumerate(params_list):
+            missing = [f for f in ROW_FIELDS if not hasattr(p, f)]
+            if missing:
+                raise TypeError(
+                    f"SamplingTensors.build: params_list[{i}] ({type(p).__name__}) lacks attribute(s) {missing}"
+                )
+            field = f"params_list[{i}]"
+            temp = _real(f"{field}.temperature", p.temperature, lo=0.0)
+            if 0.0 < temp < _FLOAT32_TINY:
+                raise ValueError(
+                    f"SamplingTensors.build: {field}.temperature = {temp!r} is below float32's smallest normal "
+                    f"{_FLOAT32_TINY:.3g}; use 0 for greedy"
+                )
+            out["temperature"][i] = temp
+            out["top_p"][i] = _real(f"{field}.top_p", p.top_p, lo=0.0, lo_open=True, hi=1.0)
+            k = _integer(f"{field}.top_k", p.top_k, lo=-1)
+            out["top_k"][i] = vocab if k <= 0 else min(k, vocab)
+            out["min_p"][i] = _real(f"{field}.min_p", p.min_p, lo=0.0, hi=1.0)
+            out["repetition_penalty"][i] = _real(
+                f"{field}.repetition_penalty", p.repetition_penalty, lo=0.0, lo_open=True
+            )
+            out["presence_penalty"][i] = _real(
+                f"{field}.presence_penalty", p.presence_penalty, lo=-2.0, hi=2.0
+            )
+            out["frequency_penalty"][i] = _real(
+                f"{field}.frequency_penalty", p.frequency_penalty, lo=-2.0, hi=2.0
+            )
+            try:
+                out["seed"][i] = split_seed(seeds[i])
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"SamplingTensors.build: seeds[{i}]: {err}") from None
+            out["position"][i] = pos[i]
+            min_tokens = _integer(f"{field}.min_tokens", p.min_tokens, lo=0)
+            if not isinstance(p.ignore_eos, bool | np.bool_):
+                raise TypeError(
+                    f"SamplingTensors.build: {field}.ignore_eos must be a bool, got {type(p.ignore_eos).__name__}"
+                )
+            row_mask = set(banned)
+            if outs[i] < min_tokens:
+                row_mask.update(_id_list(f"{field}.stop_token_ids", p.stop_token_ids or (), vocab))
+                if not p.ignore_eos:
+                    row_mask.update(eos)
+            masks.append(sorted(row_mask))
+
+        needed = max((len(m) for m in masks), default=0)
+        if mask_width is None:
+            width = 1 << max(needed - 1, 0).bit_length()
+        else:
+            width = _positive_int("mask_width", mask_width)
+            if width < needed:
+                raise ValueError(
+                    f"SamplingTensors.build: mask_width = {width} is smaller than the {needed} ids row "
+                    f"{[len(m) for m in masks].index(needed)} must mask"
+                )
+        masked = np.full((rows, width), -1, np.int32)
+        for i, m in enumerate(masks):
+            masked[i, : len(m)] = m
+        return cls(**out, masked_ids=masked)
+
+
+def _neutral(rows: int, vocab: int) -> dict[str, np.ndarray]:
+    """Arrays of ``rows`` padding rows: greedy, no filter, no penalty, seed 0, position 0."""
+    return {
+        "temperature": np.zeros(rows, np.float32),
+        "top_p": np.ones(rows, np.float32),
+        "top_k": np.full(rows, vocab, np.int32),
+        "min_p": np.zeros(rows, np.float32),
+        "repetition_penalty": np.ones(rows, np.float32),
+        "presence_penalty": np.zeros(rows, np.float32),
+        "frequency_penalty": np.zeros(rows, np.float32),
+        "seed": np.zeros((rows, 2), np.uint32),
+        "position": np.zeros(rows, np.int32),
+    }
+
+
+def _positive_int(name: str, value: Any, *, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"SamplingTensors.build: {name} must be an int, got {type(value).__name__} {value!r}")
+    if value < (0 if allow_zero else 1):
+        raise ValueError(f"SamplingTensors.build: {name} = {value} must be >= {0 if allow_zero else 1}")
+    return int(value)
+
+
+def _integer(name: str, value: Any, *, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"SamplingTensors.build: {name} must be an int, got {type(value).__name__} {value!r}")
+    if value < lo:
+        raise ValueError(f"SamplingTensors.build: {name} = {value} must be >= {lo}")
+    return int(value)
+
+
+def _real(name: str, value: Any, *, lo: float, hi: float = math.inf, lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"SamplingTensors.build: {name} must be a real number, got {type(value).__name__}")
+    v = float(value)
+    below = v <= lo if lo_open else v < lo
+    if not math.isfinite(v) or below or v > hi:
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{']' if math.isfinite(hi) else ')'}"
+        raise ValueError(f"SamplingTensors.build: {name} = {value!r} is outside {interval}")
+    return v
+
+
+def _int_column(name: str, values: Any, n: int, *, lo: int, hi: int | None = None) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.shape != (n,):
+        raise ValueError(
+            f"SamplingTensors.build: {name} must have {n} entries (one per row), got shape {arr.shape}"
+        )
+    if n and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"SamplingTensors.build: {name} must hold ints, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64)
+    bad = np.flatnonzero((arr < lo) | (arr > (hi if hi is not None else np.iinfo(np.int64).max)))
+    if bad.size:
+        i = int(bad[0])
+        limit = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"SamplingTensors.build: {name}[{i}] = {arr[i]} must be {limit}")
+    return arr
+
+
+def _id_list(name: str, ids: Any, vocab: int) -> list[int]:
+    if isinstance(ids, str | bytes) or not isinstance(ids, Sequence | np.ndarray):
+        raise TypeError(f"SamplingTensors.build: {name} must be a sequence of ints, got {type(ids).__name__}")
+    out = []
+    for j, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"SamplingTensors.build: {name}[{j}] must be an int, got {type(t).__name__}")
+        if not 0 <= t < vocab:
+            raise ValueError(
+                f"SamplingTensors.build: {name}[{j}] = {t} is outside the vocabulary [0, {vocab})"
+            )
+        out.append(int(t))
+    return out

@@ -1,0 +1,240 @@
+"""The LLM facade on tiny-v3: batch vs alone, greedy vs full forwards, preemption, seeds, input validation."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+import deepinfer_jax
+from deepinfer_jax.engine.llm import LLM, derive_seed
+from deepinfer_jax.engine.params import SamplingParams
+from deepinfer_jax.models import builtin
+
+# 24 blocks of 16 tokens (one reserved): one block is 4 cached layers x 16 tokens x 96 float32 values = 24576
+# B, the per-slot state 17 slots x 4 B x (1 + 512) = 34884 B. 23 usable blocks hold 368 tokens, fewer than the
+# 16-request batch below needs at its peak, so the scheduler must preempt.
+BLOCK_BYTES = 4 * 16 * 96 * 4
+STATE_BYTES = 17 * 4 * 513
+MEMORY = 24 * BLOCK_BYTES + STATE_BYTES
+REF_LEN = 64
+
+
+def _engine(**kw):
+    return LLM(
+        "tiny-v3",
+        dtype="float32",
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        kv_cache_memory=MEMORY,
+        **{"cache.block_size": 16},
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return _engine()
+
+
+@pytest.fixture(scope="module")
+def reference_model():
+    return deepinfer_jax.load_model("tiny-v3")
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(11)
+    lengths = [3, 17, 40, 1, 9, 25, 33, 5, 12, 2, 48, 7, 20, 15, 30, 4]
+    return [rng.integers(2, 512, n).tolist() for n in lengths]
+
+
+def _params() -> list[SamplingParams]:
+    out = []
+    for i in range(16):
+        if i % 2:
+            out.append(SamplingParams(temperature=0.0, max_tokens=6 + i % 5, ignore_eos=True))
+        else:
+            out.append(SamplingParams(temperature=0.9, top_k=50, top_p=0.9, max_tokens=6, seq_seed=100 + i))
+    return out
+
+
+def _greedy_reference(model, prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        ids = np.zeros((1, REF_LEN), np.int32)
+        ids[0, : len(seq)] = seq
+        seq.append(int(np.argmax(model.logits(ids)[0, len(seq) - 1])))
+    return seq[len(prompt) :]
+
+
+@pytest.fixture(scope="module")
+def batch_outputs(llm):
+    return llm.generate(prompt_token_ids=_prompts(), sampling_params=_params(), use_tqdm=False)
+
+
+def test_construction_plans_the_cache(llm):
+    spec = llm.memory_plan.spec
+    assert spec.num_blocks == 24 and spec.block_size == 16 and spec.dtype == "float32"
+    assert llm.max_model_len == 23 * 16 + 1  # capped: what one request can cache, plus the last sampled token
+    assert "24 (23 usable" in llm.memory_plan.describe()
+
+
+def test_batch_of_16_equals_alone_and_greedy_equals_full_forward(llm, batch_outputs, reference_model):
+    """Each request's tokens are the same alone and in the mixed batch (which preempts).
+
+    Greedy rows also equal greedy decoding by repeated full forwards."""
+    prompts, params = _prompts(), _params()
+    assert [o.prompt_token_ids for o in batch_outputs] == prompts
+    assert sum(o.metrics.num_preemptions for o in batch_outputs) > 0, "the small cache must force preemption"
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        got = batch_outputs[i].outputs[0]
+        assert got.finish_reason == "length" or (p.temperature > 0 and got.finish_reason == "stop"), i
+        alone = llm.generate(prompt_token_ids=[prompt], sampling_params=p, use_tqdm=False)[0].outputs[0]
+        assert alone.token_ids == got.token_ids, f"request {i}"
+        if p.temperature == 0:
+            assert got.token_ids == _greedy_reference(reference_model, prompt, p.max_tokens), f"request {i}"
+
+
+def test_seq_seed_reproducible_and_derived_seeds(llm):
+    p = SamplingParams(temperature=1.0, max_tokens=8, seq_seed=7, ignore_eos=True)
+    a = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=p, use_tqdm=False)[0].outputs[0].token_ids
+    b = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=p, use_tqdm=False)[0].outputs[0].token_ids
+    c = (
+        llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=p.replace(seq_seed=8), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
+    assert a == b and a != c
+    # Without seq_seed: seeds come from LLM(seed=) and the index, so a rerun of the same batch is identical.
+    q = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True)
+    runs = [
+        [
+            o.outputs[0].token_ids
+            for o in llm.generate(prompt_token_ids=[[9, 9], [9, 9]], sampling_params=q, use_tqdm=False)
+        ]
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1] and runs[0][0] != runs[0][1]
+    assert derive_seed(0, 0) != derive_seed(0, 1) != derive_seed(1, 0)
+    assert all(0 <= derive_seed(s, i) < 2**64 for s in (0, 2**64 - 1) for i in (0, 5))
+
+
+def test_logprobs_and_text(llm):
+    out = llm.generate(
+        ["hello world"],
+        SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    c = out.outputs[0]
+    assert out.prompt == "hello world" and len(c.token_ids) == 4 and isinstance(c.text, str)
+    assert len(c.logprobs) == 4
+    for token, entry in zip(c.token_ids, c.logprobs):
+        assert token in entry and entry[token].rank == 1  # greedy picks the most probable token
+        assert 3 <= len(entry) <= 4
+    assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
+    assert out.metrics.first_token_time is not None and out.metrics.num_generated_tokens == 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"prompt_token_ids": [[]]}, ValueError, "empty"),
+        ({"prompts": [""]}, ValueError, r"prompts\[0\]"),
+        ({"prompt_token_ids": [[1, 2], [3, 512]]}, ValueError, r"request 1: prompt_token_ids\[1\] = 512"),
+        ({"prompt_token_ids": [[1, -2]]}, ValueError, "outside the vocabulary"),
+        ({"prompt_token_ids": [list(range(2, 402))]}, ValueError, "max_model_len"),
+        (
+            {"prompt_token_ids": [[1] * 300], "sampling_params": SamplingParams(max_tokens=100)},
+            ValueError,
+            "max_tokens",
+        ),
+        (
+            {"prompt_token_ids": [[1], [2]], "sampling_params": [SamplingParams()]},
+            ValueError,
+            "sampling_params",
+        ),
+        (
+            {"prompt_token_ids": [[1]], "sampling_params": [{"temperature": 0}]},
+            TypeError,
+            r"sampling_params\[0\]",
+        ),
+        ({"prompt_token_ids": [[1.5]]}, TypeError, "must be an int"),
+        ({"prompts": [3]}, TypeError, r"prompts\[0\]"),
+        ({}, ValueError, "both None"),
+    ],
+)
+def test_tier1_errors_leave_the_engine_intact(llm, batch_outputs, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        llm.generate(use_tqdm=False, **kwargs)
+    assert not llm.scheduler.has_unfinished_requests()
+
+
+def test_still_correct_after_errors(llm, batch_outputs):
+    with pytest.raises(ValueError):
+        llm.generate(prompt_token_ids=[[1, 2], []], use_tqdm=False)
+    again = llm.generate(prompt_token_ids=_prompts()[:3], sampling_params=_params()[:3], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in batch_outputs[:3]]
+
+
+def test_construction_errors(tmp_path):
+    with pytest.raises(ValueError, match="model"):
+        LLM(str(tmp_path / "missing"))
+    with pytest.raises(NotImplementedError, match="deepseek_v4"):
+        LLM("tiny-v4", dtype="float32")
+    with pytest.raises(ValueError, match="max_model_len"):
+        _engine(max_model_len=1000)
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        LLM("tiny-v3", dtype="float32", kv_cache_memory="1KiB")
+    with pytest.raises(TypeError, match="max_num_seqs"):
+        LLM("tiny-v3", max_num_seqs="8")
+    with pytest.raises(NotImplementedError, match="data_parallel_size"):
+        LLM("tiny-v3", data_parallel_size=2)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLM("tiny-v3", **{"scheduler.max_num_seqs": 4})
+    with pytest.raises(ValueError, match=r"model\.vocab_size"):
+        LLM("tiny-v3", **{"model.vocab_size": 4})
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM("tiny-v3", kv_cache_dtype="quantized")
+
+
+def test_model_folder_without_tokenizer(tmp_path, llm):
+    folder = tmp_path / "no-tokenizer"
+    shutil.copytree(builtin.materialize("tiny-v3"), folder)
+    (folder / "tokenizer.json").unlink()
+    bare = LLM(
+        str(folder),
+        dtype="float32",
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        kv_cache_memory=MEMORY,
+        **{"cache.block_size": 16},
+    )
+    assert bare.tokenizer is None and bare.eos_token_ids == (1,)
+    with pytest.raises(ValueError, match="tokenizer"):
+        bare.generate(["hi"], use_tqdm=False)
+    p = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    out = bare.generate(prompt_token_ids=[[4, 5, 6]], sampling_params=p, use_tqdm=False)[0].outputs[0]
+    want = llm.generate(prompt_token_ids=[[4, 5, 6]], sampling_params=p, use_tqdm=False)[0].outputs[0]
+    assert out.text == "" and out.token_ids == want.token_ids
+
+
+def test_stop_token_and_min_tokens_through_the_engine(llm):
+    """A stop id ends the request where greedy first produces it; before ``min_tokens`` it is masked instead."""
+    prompt = [[7, 8, 9, 10]]
+    free = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    base = llm.generate(prompt_token_ids=prompt, sampling_params=free, use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = base[2]
+    first = base.index(stop_id)
+    stopped = llm.generate(
+        prompt_token_ids=prompt, sampling_params=free.replace(stop_token_ids=[stop_id]), use_tqdm=False
+    )[0].outputs[0]
+    assert stopped.token_ids == base[: first + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_id
+    late = llm.generate(
+        prompt_token_ids=prompt,
+        sampling_params=free.replace(stop_token_ids=[stop_id], min_tokens=first + 2),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert len(late.token_ids) >= first + 2 and stop_id not in late.token_ids[: first + 1]
+    assert late.token_ids[:first] == base[:first]  # identical until the mask first matters
