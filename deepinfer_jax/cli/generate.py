@@ -112,5 +112,6 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
         if c.error:
             print(f"[{i}] error: {c.error}")
     assert llm.last_stats is not None
-    print(llm.last_stats.summary(len(outputs)))
+    if not fv.progress:  # with the progress bar, generate() has already printed the summary line
+        print(llm.last_stats.summary(len(outputs)))
     return 0
