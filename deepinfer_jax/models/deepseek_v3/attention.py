@@ -35,7 +35,13 @@ _HIGHEST = lax.Precision.HIGHEST
 
 
 def _einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    common = jnp.promote_types(a.dtype, b.dtype)
+    """Einsum with float32 accumulation.
+
+    Narrow float operands are widened to float32 first: exact (every bf16 value is a float32 value), the same
+    products and float32 sums as a bf16 GEMM with float32 accumulation, and XLA:CPU cannot execute some
+    bf16 x bf16 -> f32 batched dots at all ("Unsupported element type for DotThunk").
+    """
+    common = jnp.promote_types(jnp.promote_types(a.dtype, b.dtype), jnp.float32)
     return jnp.einsum(
         spec, a.astype(common), b.astype(common), precision=_HIGHEST, preferred_element_type=jnp.float32
     )

@@ -166,3 +166,24 @@ def test_fp8_scales_share_their_weights_axes(fp8_f32):
     axes = v3_weights.logical_axes(fp8_f32.params)
     q_b = axes["layers"][0]["attn"]["q_b_proj"]
     assert q_b == {"weight": ("q_heads", "q_lora"), "scale": ("q_heads", "q_lora")}
+
+
+def test_bf16_cached_path_tracks_the_bf16_full_forward(folders):
+    """The absorbed-MLA cached path runs in production mode on XLA:CPU and agrees with the naive full forward.
+
+    (XLA:CPU cannot execute some bf16 x bf16 -> f32 batched dots; the attention widens operands to float32,
+    which is exact.) Routing is made decisive as above, so a near-tie cannot flip an expert between the two
+    paths. The paths round differently (bf16 cache, bf16 absorbed query vs bf16 expanded keys), each within
+    the production-mode budget of the test above: bounded at 15% of the largest |logit|; a wrong mask or a
+    misread cache slot gives O(1) errors.
+    """
+    bf16 = deepinfer_jax.load_model(folders[0], "bfloat16")
+    params = jax.tree.map(lambda x: x, bf16.params)
+    params["layers"][1]["mlp"]["bias"] = jnp.array([0.0, 0.0, 1.0, 1.0], jnp.float32)
+    full = np.asarray(FORWARD(params, bf16.config, IDS), np.float32)
+    cache = v3_model.init_cache(bf16.config, IDS.shape[0], IDS.shape[1], "bfloat16")
+    assert cache["latent"].dtype == jnp.bfloat16
+    positions = np.broadcast_to(np.arange(IDS.shape[1], dtype=np.int32), IDS.shape)
+    cached, _ = v3_model.forward(params, bf16.config, IDS, positions, cache)
+    err = np.abs(np.asarray(cached, np.float32) - full)
+    assert err.max() <= 0.15 * np.abs(full).max(), err.max() / np.abs(full).max()
