@@ -48,6 +48,7 @@ import numpy as np
 import yaml
 
 import deepinfer_jax
+from deepinfer_jax.models import synthetic_base
 from deepinfer_jax.models.deepseek_v3 import synthetic as v3_synthetic
 from deepinfer_jax.models.deepseek_v4 import synthetic as v4_synthetic
 
@@ -73,7 +74,7 @@ __all__ = [
 
 CACHE_ENV_VAR = "DEEPINFER_JAX_CACHE"
 
-RngFactory = Callable[[str], np.random.Generator]
+RngFactory = synthetic_base.RngFactory
 """`tensor name -> numpy Generator`: an independent, reproducible random stream per tensor."""
 
 WeightGenerator = Callable[[Mapping[str, Any], RngFactory], dict[str, np.ndarray]]

@@ -18,23 +18,21 @@ around 1 with noise; router biases small but non-zero. Each tensor has its own r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
+from deepinfer_jax.models.synthetic_base import BF16, RngFactory, TensorEmitter
 from deepinfer_jax.numerics import host
 
 __all__ = ["V3_GENERATOR_VERSION", "generate_v3_weights"]
 
-RngFactory = Callable[[str], np.random.Generator]
-
 # Bump when the values or the layout the generator emits change: the built-in model cache keys on it.
 V3_GENERATOR_VERSION = "deepseek_v3-synthetic-1"
 
-_BF16 = np.dtype(ml_dtypes.bfloat16)
+_BF16 = BF16
 _NORM_NOISE = 0.1
 _GATE_BIAS_STD = 0.1
 _MISSING = object()
@@ -121,25 +119,10 @@ def _block_size(cfg: Mapping[str, Any]) -> tuple[int, int] | None:
     return (block[0], block[1])
 
 
-class _Emitter:
+class _Emitter(TensorEmitter):
     def __init__(self, rng_factory: RngFactory, block: tuple[int, int] | None) -> None:
-        self._rngs = rng_factory
+        super().__init__(rng_factory)
         self._block = block
-        self.tensors: dict[str, np.ndarray] = {}
-
-    def _put(self, name: str, array: np.ndarray) -> None:
-        if name in self.tensors:
-            raise ValueError(
-                f"tensor {name!r} would be written twice; the layer plan of the config is inconsistent"
-            )
-        self.tensors[name] = np.ascontiguousarray(array)
-
-    def _normal(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        return self._rngs(name).standard_normal(shape, dtype=np.float32)
-
-    def _gaussian_bf16(self, name: str, out_dim: int, in_dim: int) -> np.ndarray:
-        # BF16 rounding first, so the FP8 variant quantises exactly the values the BF16 variant stores.
-        return (self._normal(name, (out_dim, in_dim)) * np.float32(in_dim**-0.5)).astype(_BF16)
 
     def bf16_linear(self, name: str, out_dim: int, in_dim: int) -> None:
         """A weight that V3 checkpoints keep in BF16 even when quantised (router, heads, MTP `eh_proj`)."""

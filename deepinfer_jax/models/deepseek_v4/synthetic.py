@@ -27,13 +27,13 @@ changes the bytes of another, and the values depend only on NumPy (never on JAX)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
+from deepinfer_jax.models.synthetic_base import BF16, RngFactory, TensorEmitter
 from deepinfer_jax.numerics import host
 
 __all__ = [
@@ -44,13 +44,11 @@ __all__ = [
     "generate_v41_weights",
 ]
 
-RngFactory = Callable[[str], np.random.Generator]
-
 # Bump when the values or the layout a generator emits change: the built-in model cache keys on it.
 V41_GENERATOR_VERSION = "deepseek_v41-synthetic-1"
 V4_GENERATOR_VERSION = "deepseek_v4-synthetic-1"
 
-_BF16 = np.dtype(ml_dtypes.bfloat16)
+_BF16 = BF16
 _F32 = np.dtype(np.float32)
 
 # mHC training initialisation (spec/model.md §2.4, §6.6); only used to centre the random values.
@@ -163,29 +161,13 @@ class _WeightFormat:
 # Drawing tensors
 
 
-class _Emitter:
+class _Emitter(TensorEmitter):
     """Draws each named tensor from its own stream and stores it in its checkpoint format."""
 
     def __init__(self, rng_factory: RngFactory, fmt: _WeightFormat, norm_dtype: np.dtype) -> None:
-        self._rngs = rng_factory
+        super().__init__(rng_factory)
         self.fmt = fmt
         self._norm_dtype = norm_dtype
-        self.tensors: dict[str, np.ndarray] = {}
-
-    def _put(self, name: str, array: np.ndarray) -> None:
-        if name in self.tensors:
-            raise ValueError(
-                f"tensor {name!r} would be written twice; the layer plan of the config is inconsistent"
-            )
-        self.tensors[name] = np.ascontiguousarray(array)
-
-    def _normal(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        return self._rngs(name).standard_normal(shape, dtype=np.float32)
-
-    def _gaussian_bf16(self, name: str, out_dim: int, in_dim: int) -> np.ndarray:
-        # The BF16 rounding comes first so that quantised and unquantised variants share their source values.
-        w = self._normal(name, (out_dim, in_dim)) * np.float32(in_dim**-0.5)
-        return w.astype(_BF16)
 
     def bf16_linear(self, prefix: str, out_dim: int, in_dim: int) -> None:
         """A linear layer that the checkpoint always keeps in BF16 (gate, compressor, indexer side paths)."""
