@@ -60,6 +60,7 @@ register_subcommand(
     "deepinfer_jax.cli.generate",
     "generate completions for prompts with the engine (continuous batching over a paged cache)",
 )
+register_subcommand("chat", "deepinfer_jax.cli.chat", "chat with a model: reasoning, answer, tool calls")
 # Further subcommands are registered here by the issue that implements them.
 
 

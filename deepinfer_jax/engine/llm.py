@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +26,14 @@ from absl import logging
 from deepinfer_jax.cache.paged import latent_cache_dtype, parse_bytes, plan_latent_cache
 from deepinfer_jax.checkpoint.model_loading import DTYPES, load_model
 from deepinfer_jax.config import load_config
+from deepinfer_jax.engine import chat as _chat
 from deepinfer_jax.engine.buckets import step_buckets
 from deepinfer_jax.engine.params import RequestOutput, SamplingParams, validate_request
 from deepinfer_jax.engine.runner import EngineRunner, RunStats
 from deepinfer_jax.engine.scheduler import Scheduler
 from deepinfer_jax.engine.step import StepExecutor, state_bytes
 from deepinfer_jax.models import builtin
+from deepinfer_jax.text.output_parser import ChatOutput
 from deepinfer_jax.text.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_CPU_CACHE_MEMORY", "LLM", "derive_seed"]
@@ -389,6 +391,38 @@ class LLM:
             print(stats.summary(len(request_ids)), file=sys.stderr)
         by_id = {o.request_id: o for o in outputs}
         return [by_id[rid] for rid in request_ids]
+
+    # -------------------------------------------------------------------------------------- chat
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        thinking: bool = False,
+        reasoning_effort: str | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_version: _chat.ChatVersion | None = None,
+    ) -> list[ChatOutput]:
+        """Answer one conversation (a list of OpenAI-style message dicts) or a list of conversations.
+
+        Returns one :class:`~deepinfer_jax.text.ChatOutput` per conversation, in order: reasoning and answer
+        apart, tool calls, finish reason and usage, parsed from the generated token ids. ``sampling_params`` is
+        one for all or a list with one per conversation; ``tools``, ``thinking`` and ``reasoning_effort`` apply
+        to all. ``chat_version`` picks the template (``None``: ``"v41"`` for DeepSeek-V4.1, else ``"v4"``).
+        Bad input raises before anything runs. See :mod:`deepinfer_jax.engine.chat`.
+        """
+        return _chat.chat(
+            self,
+            messages,
+            sampling_params,
+            tools=tools,
+            thinking=thinking,
+            reasoning_effort=reasoning_effort,
+            use_tqdm=use_tqdm,
+            chat_version=chat_version,
+        )
 
     def __repr__(self) -> str:
         return f"LLM({self.model!r}, max_model_len={self.max_model_len}, blocks={self.memory_plan.spec.num_blocks})"
