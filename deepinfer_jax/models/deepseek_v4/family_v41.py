@@ -1,0 +1,62 @@
+"""The DeepSeek-V4.1 :class:`~deepinfer_jax.models.registry.ModelFamily` (``model_type: deepseek_v41``).
+
+``load_model(path_or_name)`` checks a V4.1 checkpoint against :func:`.v41_params.expected_tensors` through the
+shared loader (``vision.*``, ``aligner.*``, ``image_*`` and ``bias_vl`` skipped), assembles it with
+:func:`.v41_params.assemble_params` (the Engram compression map from the ``tokenizer.json`` beside the config) and
+runs :func:`forward_logits`, the full-prefix forward of :mod:`.v41_model` in float32 parity mode. The draft
+layers ``mtp.*`` are loaded but not run.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+
+from deepinfer_jax.config.v41 import DeepseekV41Config
+from deepinfer_jax.models.deepseek_v4 import v41_model
+from deepinfer_jax.models.deepseek_v4.v41_params import (
+    IGNORED_TENSORS,
+    assemble_params,
+    engram_compression,
+    expected_tensors,
+    init_params,
+    tokenizer_file,
+)
+from deepinfer_jax.models.registry import ModelFamily
+
+__all__ = ["FAMILY", "forward_logits", "static_for"]
+
+
+@functools.lru_cache(maxsize=32)
+def _static_cached(cfg: DeepseekV41Config, tokenizer: str | None) -> v41_model.V41Static:
+    del tokenizer  # part of the cache key only; engram_compression finds the same file
+    return v41_model.V41Static.from_config(cfg, engram_compression(cfg))
+
+
+def static_for(cfg: DeepseekV41Config) -> v41_model.V41Static:
+    """The :class:`~.v41_model.V41Static` of a config, cached per (config, tokenizer file).
+
+    Configs compare equal whatever folder they came from, so the tokenizer file is part of the key: the Engram
+    hash multipliers depend on the compressed vocabulary size it gives.
+    """
+    if not isinstance(cfg, DeepseekV41Config):
+        raise TypeError(f"cfg: expected a DeepseekV41Config, got {type(cfg).__name__}")
+    tokenizer = tokenizer_file(cfg)
+    return _static_cached(cfg, None if tokenizer is None else str(tokenizer))
+
+
+def forward_logits(params: Any, cfg: DeepseekV41Config, input_ids: jax.Array) -> jax.Array:
+    """Full forward without cache: ``input_ids [B, S]`` -> float32 logits ``[B, S, V]`` (``cfg`` static)."""
+    return v41_model.forward_logits(params, input_ids, static=static_for(cfg))
+
+
+FAMILY = ModelFamily(
+    name="deepseek_v41",
+    expected_tensors=expected_tensors,
+    ignore=IGNORED_TENSORS,
+    assemble_params=assemble_params,
+    init_params=init_params,
+    forward_logits=forward_logits,
+)
