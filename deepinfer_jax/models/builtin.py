@@ -84,7 +84,7 @@ TokenizerBuilder = Callable[[int], str]
 """`vocab_size -> tokenizer.json text`."""
 
 # Bump when the set of files or their formatting changes (the weights have their own generator versions).
-_LAYOUT_VERSION = "builtin-layout-2"
+_LAYOUT_VERSION = "builtin-layout-3"
 _MANIFEST = "COMPLETE"
 _KEY_CHARS = 12
 _LOCK_TIMEOUT_S = 900.0
@@ -529,6 +529,26 @@ def _stale_temporaries(root: Path, folder_name: str) -> Iterable[Path]:
     return (p for p in root.glob(f".{folder_name}.*") if p.is_dir())
 
 
+def _derive_from_tokenizer(family: str, config: dict[str, Any], tokenizer_text: str) -> dict[str, Any]:
+    """Fill the config values that are defined by the model's own tokenizer (model.md §9.1, §15.2).
+
+    A V4.1 config with Engram layers may leave `engram_compressed_vocab_size` null in its yaml: the written
+    `config.json` then carries `Vc`, the size of the tokenizer's compressed vocabulary, which every Engram hash
+    multiplier depends on. An explicit value is kept (and checked against the tokenizer when the model loads).
+    """
+    text = config.get("text_config")
+    if family != "deepseek_v41" or not isinstance(text, Mapping):
+        return config
+    if not text.get("engram_layer_ids") or text.get("engram_compressed_vocab_size") is not None:
+        return config
+    import tokenizers
+
+    from deepinfer_jax.models.deepseek_v4.engram import CompressionMap
+
+    size = CompressionMap.from_tokenizer(tokenizers.Tokenizer.from_str(tokenizer_text)).size
+    return {**config, "text_config": {**text, "engram_compressed_vocab_size": int(size)}}
+
+
 def materialize(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Write built-in model `name` in HF layout on first use and return its folder.
 
@@ -553,6 +573,8 @@ def materialize(name: str, cache_dir: str | os.PathLike[str] | None = None) -> P
             f"built-in model {name!r}: the tokenizer builder returned {type(tokenizer_text).__name__}, "
             "expected the tokenizer.json text (str)"
         )
+
+    config = _derive_from_tokenizer(model.family, config, tokenizer_text)
 
     root = cache_root(cache_dir) / "builtin"
     folder_name = f"{name}-{_cache_key(model, yaml_bytes, tokenizer_text)}"
