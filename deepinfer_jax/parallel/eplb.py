@@ -1,0 +1,346 @@
+"""Expert-parallel load balancing (EPLB, spec/engine.md §11.3): windowed load counts -> a new expert placement.
+
+The pieces, host side and in NumPy (they run every few hundred steps on a few kilobytes of counts):
+
+* :class:`ExpertLoadWindow` -- a ring of the last ``W`` steps' per-layer *logical* expert loads, filled from the
+  per-slot counts :func:`~deepinfer_jax.parallel.expert_parallel.ep_moe_experts` returns;
+* :func:`replicate` -- greedy replication: ``P - E`` rounds, each giving one more replica to the expert that
+  lowers the summed (over steps) peak per-replica load the most;
+* :func:`place` -- greedy placement of the replicas, heaviest first, each on the rank whose resulting peak load
+  (summed over steps) is lowest, ties to the lowest rank;
+* :func:`rebalance` -- both, giving an :class:`~deepinfer_jax.parallel.expert_parallel.ExpertPlacement`;
+* :func:`move_experts` -- the slot weights of the new placement, gathered from the old slots (on a mesh the
+  gather over the ``ep``-sharded slot axis is XLA's collective); same shapes, so nothing recompiles;
+* :func:`imbalance` -- the load-balance figure ``max / mean`` device load (1.0 = perfect), DeepInfer's
+  ``moe_lb``;
+* :class:`RearrangeSchedule` -- when to re-place: first after ``max(1, I // 4)`` counted steps, then every
+  ``I``;
+* :class:`ExpertLoadBalancer` -- all of the above for the MoE layers of one model, configured from
+  :class:`~deepinfer_jax.config.tree.ParallelConfig`, logging ``moe_lb`` and the imbalance before and after each
+  re-placement.
+
+The placement is data (int32 arrays of fixed shape), so the jitted MoE step takes a new placement and new slot
+weights without recompiling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from deepinfer_jax.config.tree import ParallelConfig
+from deepinfer_jax.parallel.expert_parallel import ExpertPlacement, initial_placement, placement_from_slots
+
+__all__ = [
+    "ExpertLoadBalancer",
+    "ExpertLoadWindow",
+    "RearrangeSchedule",
+    "device_loads",
+    "expected_imbalance",
+    "imbalance",
+    "logical_counts",
+    "move_experts",
+    "place",
+    "rebalance",
+    "replicate",
+]
+
+_TIE_BREAK = (
+    1e-4  # spec/engine.md §11.3: per-replica load + 1e-4 · expert index, so equal loads resolve by index
+)
+
+
+def _int(field: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{field} must be an int, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise ValueError(f"{field} = {value} must be >= {low}")
+    return int(value)
+
+
+def _window(counts: Any, field: str = "counts") -> np.ndarray:
+    w = np.asarray(counts, np.float64)
+    if w.ndim == 1:
+        w = w[None, :]
+    if w.ndim != 2 or w.shape[1] == 0:
+        raise ValueError(f"{field}: expected [steps, experts] loads, got shape {np.shape(counts)}")
+    if (w < 0).any() or not np.isfinite(w).all():
+        raise ValueError(f"{field}: loads must be finite and >= 0")
+    return w
+
+
+def device_loads(slot_counts: Any, ep: int) -> np.ndarray:
+    """Rows per EP rank ``[..., ep]`` from per-slot rows ``[..., P]`` (rank ``r`` holds slots ``r·L … r·L+L-1``)."""
+    ep = _int("expert_parallel_size", ep, 1)
+    c = np.asarray(slot_counts, np.float64)
+    if c.shape[-1] % ep:
+        raise ValueError(
+            f"slot_counts: {c.shape[-1]} slots are not a multiple of expert_parallel_size = {ep}"
+        )
+    return c.reshape(*c.shape[:-1], ep, c.shape[-1] // ep).sum(axis=-1)
+
+
+def imbalance(slot_counts: Any, ep: int) -> float:
+    """``max / mean`` rows per EP rank (summed over any leading axes first); 1.0 when nothing was routed."""
+    loads = device_loads(slot_counts, ep)
+    loads = loads.reshape(-1, loads.shape[-1]).sum(axis=0)
+    mean = loads.mean()
+    return float(loads.max() / mean) if mean > 0 else 1.0
+
+
+def expected_imbalance(window: Any, placement: ExpertPlacement, ep: int) -> float:
+    """The imbalance ``window`` loads ``[steps, E]`` would give under ``placement``, replicas sharing evenly.
+
+    Summed over the window's steps; used to log what a re-placement is expected to achieve before any token
+    has been routed with it.
+    """
+    w = _window(window, "window").sum(axis=0)
+    s2e = np.asarray(placement.slot_to_expert)
+    per_slot = w[s2e] / np.asarray(placement.replica_count)[s2e]
+    return imbalance(per_slot, ep)
+
+
+def logical_counts(slot_counts: Any, placement: ExpertPlacement) -> np.ndarray:
+    """Rows per logical expert ``[E]`` from rows per physical slot ``[P]`` under ``placement``."""
+    c = np.asarray(slot_counts)
+    s2e = np.asarray(placement.slot_to_expert)
+    if c.shape != s2e.shape:
+        raise ValueError(f"slot_counts: shape {c.shape} does not match the placement's {s2e.shape[0]} slots")
+    return np.bincount(s2e, weights=c, minlength=placement.num_experts).astype(np.int64)
+
+
+def replicate(window: Any, num_slots: int) -> np.ndarray:
+    """Replica counts ``int [E]`` summing to ``num_slots``: greedy over ``num_slots - E`` rounds (§11.3 step 1).
+
+    ``window`` is ``[steps, E]`` logical loads (or one step ``[E]``). Each round gives a replica to the expert
+    ``j`` that minimises ``Σ_steps max_e load_e / c_e`` once ``c_j`` grew by one (per-replica loads carry the
+    ``1e-4 · e`` tie-breaker; equal totals go to the lowest index).
+    """
+    w = _window(window, "window")
+    experts = w.shape[1]
+    num_slots = _int("num_slots", num_slots, experts)
+    count = np.ones(experts, np.int64)
+    tie = _TIE_BREAK * np.arange(experts)
+    for _ in range(num_slots - experts):
+        per = w / count + tie  # [steps, E]
+        if experts > 1:
+            top2 = np.sort(per, axis=1)[:, -2:]  # second, first
+            best = np.argmax(per, axis=1)
+            excl = np.where(np.arange(experts)[None, :] == best[:, None], top2[:, :1], top2[:, 1:])
+        else:
+            excl = np.zeros_like(per)
+        grown = w / (count + 1) + tie
+        cost = np.maximum(excl, grown).sum(axis=0)
+        count[int(np.argmin(cost))] += 1
+    return count
+
+
+def place(window: Any, count: Any, ep: int) -> np.ndarray:
+    """``slot_to_expert int [P]`` for replica ``count``s on ``ep`` ranks (§11.3 step 2).
+
+    Replicas (each carrying ``load_e / c_e`` per step) are taken in descending window-total order (stable:
+    equal loads keep expert order); each goes to the rank with free slots that minimises
+    ``Σ_steps max(peak, rank_load + replica_load)``, ties to the lowest rank, and fills that rank's next slot.
+    """
+    w = _window(window, "window")
+    count = np.asarray(count, np.int64)
+    if count.shape != (w.shape[1],) or (count < 1).any():
+        raise ValueError(f"count: expected {w.shape[1]} replica counts >= 1, got {count.tolist()}")
+    ep = _int("expert_parallel_size", ep, 1)
+    slots = int(count.sum())
+    if slots % ep:
+        raise ValueError(f"count: {slots} replicas are not a multiple of expert_parallel_size = {ep}")
+    per_rank = slots // ep
+    experts = np.repeat(np.arange(w.shape[1]), count)
+    loads = (w / count)[:, experts]  # [steps, replicas]
+    order = np.argsort(-loads.sum(axis=0), kind="stable")
+    rank_load = np.zeros((w.shape[0], ep))
+    filled = np.zeros(ep, np.int64)
+    slot_to_expert = np.empty(slots, np.int64)
+    for rep in order:
+        peak = rank_load.max(axis=1, keepdims=True)
+        cost = np.maximum(peak, rank_load + loads[:, rep : rep + 1]).sum(axis=0)
+        cost[filled >= per_rank] = np.inf
+        r = int(np.argmin(cost))
+        slot_to_expert[r * per_rank + filled[r]] = experts[rep]
+        filled[r] += 1
+        rank_load[:, r] += loads[:, rep]
+    return slot_to_expert
+
+
+def rebalance(window: Any, num_slots: int, ep: int) -> ExpertPlacement:
+    """A new :class:`ExpertPlacement` of ``num_slots`` slots on ``ep`` ranks from ``[steps, E]`` loads."""
+    w = _window(window, "window")
+    count = replicate(w, num_slots)
+    return placement_from_slots(place(w, count, ep), w.shape[1])
+
+
+@jax.jit
+def _gather_slots(slot_experts: Any, source: jax.Array) -> Any:
+    return jax.tree_util.tree_map(lambda leaf: jnp.take(leaf, source, axis=0), slot_experts)
+
+
+def move_experts(slot_experts: Any, old: ExpertPlacement, new: ExpertPlacement) -> Any:
+    """Slot-layout expert weights for placement ``new``, copied from the slots of ``old`` (no logical copy needed).
+
+    New slot ``s`` takes old slot ``old.expert_slots[new.slot_to_expert[s], 0]`` (the first old replica of the
+    same expert). Output shapes (and shardings, under jit) equal the input's, so a jitted step fed the result
+    does not recompile.
+    """
+    if old.num_slots != new.num_slots or old.num_experts != new.num_experts:
+        raise ValueError(
+            f"move_experts: placements differ in shape: {old.num_slots} slots / {old.num_experts} experts "
+            f"vs {new.num_slots} / {new.num_experts}"
+        )
+    source = old.expert_slots[new.slot_to_expert, 0]
+    return _gather_slots(slot_experts, source)
+
+
+class ExpertLoadWindow:
+    """Ring buffer of the last ``window_steps`` steps' logical expert loads ``[steps, layers, E]``."""
+
+    def __init__(self, window_steps: int, num_layers: int, num_experts: int) -> None:
+        self.window_steps = _int("parallel.eplb_window_steps", window_steps, 1)
+        self.num_layers = _int("num_layers", num_layers, 1)
+        self.num_experts = _int("num_experts", num_experts, 1)
+        self._ring = np.zeros((self.window_steps, self.num_layers, self.num_experts), np.int64)
+        self._steps = 0
+
+    @property
+    def steps_recorded(self) -> int:
+        """Steps recorded since creation (the ring keeps the last ``window_steps`` of them)."""
+        return self._steps
+
+    def record(self, slot_counts: Any, placements: list[ExpertPlacement]) -> None:
+        """Add one step: per-layer slot counts ``[layers, P]`` under each layer's placement."""
+        counts = np.asarray(slot_counts)
+        if counts.ndim != 2 or counts.shape[0] != self.num_layers or len(placements) != self.num_layers:
+            raise ValueError(
+                f"record: expected slot counts [{self.num_layers}, slots] and {self.num_layers} placements, "
+                f"got {counts.shape} and {len(placements)}"
+            )
+        row = np.stack([logical_counts(c, p) for c, p in zip(counts, placements, strict=True)])
+        self._ring[self._steps % self.window_steps] = row
+        self._steps += 1
+
+    def loads(self, layer: int) -> np.ndarray:
+        """The recorded ``[steps, E]`` loads of ``layer`` (oldest first; fewer rows before the ring is full)."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer = {layer} is outside [0, {self.num_layers})")
+        n = min(self._steps, self.window_steps)
+        idx = (np.arange(self._steps - n, self._steps)) % self.window_steps
+        return self._ring[idx, layer]
+
+
+class RearrangeSchedule:
+    """When to re-place experts: after ``max(1, I // 4)`` counted steps, then every ``I`` (0 = never)."""
+
+    def __init__(self, interval_steps: int, window_steps: int) -> None:
+        self.interval = _int("parallel.eplb_interval_steps", interval_steps, 0)
+        window_steps = _int("parallel.eplb_window_steps", window_steps, 1)
+        if self.interval and window_steps > self.interval:
+            raise ValueError(
+                f"parallel.eplb_window_steps = {window_steps} must be <= parallel.eplb_interval_steps = "
+                f"{self.interval}"
+            )
+        self._counted = 0
+        self._next = max(1, self.interval // 4)
+
+    def step(self) -> bool:
+        """Count one step; True when a re-placement is due after it."""
+        if not self.interval:
+            return False
+        self._counted += 1
+        if self._counted < self._next:
+            return False
+        self._next += self.interval
+        return True
+
+
+class ExpertLoadBalancer:
+    """EPLB for the MoE layers of one model (spec/engine.md §11.3), driven by the per-step slot counts.
+
+    ``observe`` is called once per engine step with every MoE layer's ``slot_counts`` (from
+    :func:`~deepinfer_jax.parallel.expert_parallel.ep_moe_experts`) and says when a re-placement is due;
+    ``rearrange`` then computes the new placements from the window and moves the slot weights. Every
+    ``moe_load_stats_interval_steps`` steps ``moe_lb = Σ max / Σ mean`` rows per rank (over layers and steps) is
+    logged, as DeepInfer does.
+    """
+
+    def __init__(self, cfg: ParallelConfig, *, num_layers: int, num_experts: int) -> None:
+        if not isinstance(cfg, ParallelConfig):
+            raise TypeError(f"cfg: expected a ParallelConfig, got {type(cfg).__name__}")
+        self.ep = cfg.expert_parallel_size
+        self.after_prefill = cfg.eplb_after_prefill
+        self.stats_interval = cfg.moe_load_stats_interval_steps
+        placement = initial_placement(num_experts, self.ep, cfg.eplb_num_redundant_experts)
+        self.placements: list[ExpertPlacement] = [placement] * _int("num_layers", num_layers, 1)
+        self.window = ExpertLoadWindow(cfg.eplb_window_steps, num_layers, num_experts)
+        self.schedule = RearrangeSchedule(cfg.eplb_interval_steps, cfg.eplb_window_steps)
+        self._pending = False
+        self._steps = 0
+        self._sum_max = 0.0
+        self._sum_mean = 0.0
+        self.last_moe_lb: float | None = None
+
+    @property
+    def num_slots(self) -> int:
+        """Physical slots per MoE layer."""
+        return self.placements[0].num_slots
+
+    def observe(self, slot_counts: Any, *, prefill: bool = False) -> bool:
+        """Account one step's ``[layers, P]`` slot counts; True when :meth:`rearrange` should run now.
+
+        Prefill steps are left out of the window unless ``parallel.eplb_after_prefill``, which records them and
+        asks for a re-placement at the next non-prefill step.
+        """
+        counts = np.asarray(slot_counts)
+        loads = device_loads(counts, self.ep)  # [layers, ep]
+        self._sum_max += float(loads.max(axis=-1).sum())
+        self._sum_mean += float(loads.mean(axis=-1).sum())
+        self._steps += 1
+        if self._steps % self.stats_interval == 0:
+            self.last_moe_lb = self._sum_max / self._sum_mean if self._sum_mean > 0 else 1.0
+            logging.info("moe_lb = %.4f over the last %d steps", self.last_moe_lb, self.stats_interval)
+            self._sum_max = self._sum_mean = 0.0
+        if self.schedule.interval == 0:
+            return False
+        if prefill:
+            if self.after_prefill:
+                self.window.record(counts, self.placements)
+                self._pending = True
+            return False
+        self.window.record(counts, self.placements)
+        due = self.schedule.step() or self._pending
+        self._pending = False
+        return due
+
+    def rearrange(self, slot_experts: Sequence[Any]) -> list[Any]:
+        """New placements for every layer from the window; returns the layers' moved slot weights.
+
+        ``slot_experts[i]`` is layer ``i``'s expert stacks in slot layout under the current placement. The
+        imbalance each layer's window had and is expected to have is logged.
+        """
+        if len(slot_experts) != len(self.placements):
+            raise ValueError(
+                f"slot_experts: {len(slot_experts)} layers given, the balancer has {len(self.placements)}"
+            )
+        moved = []
+        for layer, (weights, old) in enumerate(zip(slot_experts, self.placements, strict=True)):
+            loads = self.window.loads(layer)
+            new = rebalance(loads, self.num_slots, self.ep)
+            logging.info(
+                "EPLB layer %d: imbalance %.3f -> %.3f (expected, over a %d-step window)",
+                layer,
+                expected_imbalance(loads, old, self.ep),
+                expected_imbalance(loads, new, self.ep),
+                loads.shape[0],
+            )
+            moved.append(move_experts(weights, old, new))
+            self.placements[layer] = new
+        return moved
