@@ -61,6 +61,8 @@ register_subcommand(
     "generate completions for prompts with the engine (continuous batching over a paged cache)",
 )
 register_subcommand("chat", "deepinfer_jax.cli.chat", "chat with a model: reasoning, answer, tool calls")
+register_subcommand("bench", "deepinfer_jax.cli.bench", "time a workload through the engine (and a baseline)")
+register_subcommand("sweep", "deepinfer_jax.cli.sweep", "run a benchmark grid from a yaml or gin sweep file")
 # Further subcommands are registered here by the issue that implements them.
 
 

@@ -1,0 +1,117 @@
+"""Readable tables of benchmark reports (the JSON report is the record; this is for people)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["format_report", "plot_point"]
+
+
+def _fmt(v: Any, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """A few aligned lines: workload, throughput, latency distributions, KV bytes, compiles, host/wait, ratio."""
+    w = report["workload"]
+    e = report["engine"]["summary"]
+    runs = report["engine"]["runs"]
+    m = runs[-1]["metrics"]
+    rows = [
+        ("model", f"{w['model']} ({w['dtype']})"),
+        (
+            "workload",
+            f"{w['num_requests']} requests, prompt {w['prompt_len']}, output {w['output_len']}, "
+            f"batch {w['batch_size'] or 'all'}, max_num_seqs {w['max_num_seqs']}, temperature {w['temperature']}",
+        ),
+        ("runs", f"{report['warmup']['runs']} warm-up + {len(runs)} measured (medians below)"),
+        (
+            "output tokens/s",
+            f"{_fmt(e['output_tokens_per_s'])} (best run {_fmt(e['best_output_tokens_per_s'])})",
+        ),
+        ("input tokens/s", _fmt(e["input_tokens_per_s"])),
+    ]
+    for name, key in (("TTFT ms", "ttft"), ("TPOT ms", "tpot"), ("latency ms", "latency")):
+        d = m[key]
+        rows.append(
+            (
+                f"{name} (last run)",
+                "-"
+                if d is None
+                else f"p50 {d['p50'] * 1e3:.2f}  p90 {d['p90'] * 1e3:.2f}  p99 {d['p99'] * 1e3:.2f}",
+            )
+        )
+    d = m["seq_tokens_per_s"]
+    rows.append(
+        (
+            "tokens/s per sequence",
+            "-" if d is None else f"p50 {d['p50']:.1f}  p90 {d['p90']:.1f}  p99 {d['p99']:.1f}",
+        )
+    )
+    kv = report["kv_bytes_per_token"]
+    rows.append(
+        (
+            "KV bytes/token",
+            f"{kv['engine_cache']:.0f} in this run's cache ({kv['engine_cache_dtype']}); "
+            f"{kv['production_format']:g} in the production format",
+        )
+    )
+    wu = report["warmup"]
+    rows.append(
+        (
+            "compilations",
+            f"{wu['compile_count']} in warm-up ({wu['compile_seconds']:.2f} s), {e['compile_count']} while measured",
+        )
+    )
+    if "host_ms_per_step" in e:
+        rows.append(
+            (
+                "per step",
+                f"{e['steps']:.0f} steps; host {e['host_ms_per_step']:.2f} ms, waiting on device "
+                f"{e['wait_ms_per_step']:.2f} ms",
+            )
+        )
+    else:
+        rows.append(("per step", "host/device split not available from this engine runner"))
+    if "baseline" in report:
+        b = report["baseline"]
+        info = b["info"]
+        rows.append(
+            (
+                "baseline",
+                f"{info.get('name', 'baseline')} {info.get('transformers', '')} torch {info.get('torch', '')} "
+                f"({info.get('threads')} threads): {_fmt(b['summary']['output_tokens_per_s'])} output tokens/s "
+                f"(best run {_fmt(b['summary']['best_output_tokens_per_s'])})",
+            )
+        )
+        r = report["ratio"]
+        rows.append(
+            (
+                "ratio engine/baseline",
+                f"{r['output_tokens_per_s']:.2f}x median of pairs ("
+                + ", ".join(f"{x:.2f}" for x in r["per_pair"])
+                + f"); {r['best_runs']:.2f}x best run vs best run",
+            )
+        )
+        a = report["token_agreement"]
+        rows.append(
+            (
+                "greedy token agreement",
+                f"{a['identical_sequences']}/{a['sequences']} sequences identical, common prefix "
+                f"{a['common_prefix_mean']:.1f} tokens on average",
+            )
+        )
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def plot_point(report: dict[str, Any], label: str) -> dict[str, Any]:
+    """The numbers one report contributes to the plots."""
+    e = report["engine"]["summary"]
+    return {
+        "label": label,
+        "output_tokens_per_s": e["output_tokens_per_s"],
+        "seq_tokens_per_s": e["seq_tokens_per_s_p50"],
+        "input_tokens_per_s": e["input_tokens_per_s"],
+        "ttft_s": e["ttft_p50_s"],
+    }

@@ -1,0 +1,377 @@
+"""Run a :class:`~deepinfer_jax.bench.workload.Workload` through the engine, optionally alternating with a
+baseline process, and collect the metrics.
+
+**Host vs device time.** The engine's runner does not report per-step timings itself, so the harness measures
+them from outside while a run is timed: it wraps the runner's schedule, dispatch and output-processing calls of
+the :class:`~deepinfer_jax.engine.LLM` under test (instance attributes only, removed afterwards). *Host* time is
+scheduling, building and dispatching a step and processing its tokens; *wait* is the time the host spends
+blocked until a step's sampled tokens are ready, i.e. device time the host could not overlap. With the
+runner's one-step-in-flight loop, device time proper is hidden behind host work and is not observable without
+a profiler; "wait" is its visible part. If the runner lacks those calls (a different engine loop), the report
+says ``"available": false``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+from deepinfer_jax import cache as cache_lib
+from deepinfer_jax.bench.baseline import DEFAULT_SCRIPT, BaselineProcess, baseline_setup
+from deepinfer_jax.bench.metrics import RequestTiming, distribution, run_metrics
+from deepinfer_jax.bench.workload import Request, Workload
+from deepinfer_jax.engine.llm import LLM
+from deepinfer_jax.engine.params import SamplingParams
+from deepinfer_jax.models import builtin
+
+__all__ = ["EngineBench", "ModelNotSupportedError", "StepTimer", "machine_info", "run_benchmark"]
+
+
+class ModelNotSupportedError(RuntimeError):
+    """The engine cannot serve this model (yet); the message says which model and why."""
+
+
+class StepTimer:
+    """Accumulates host and wait time of the runner's steps (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.host_s = 0.0
+        self.wait_s = 0.0
+        self.steps = 0
+        self.available = True
+
+    @contextlib.contextmanager
+    def attach(self, llm: LLM) -> Iterator[StepTimer]:
+        runner = llm.runner
+        names = ("_dispatch", "_process")
+        if not all(callable(getattr(runner, n, None)) for n in names) or not hasattr(
+            llm.scheduler, "schedule"
+        ):
+            self.available = False
+            yield self
+            return
+        originals = {n: getattr(runner, n) for n in names}
+        schedule = llm.scheduler.schedule
+
+        def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.host_s += time.perf_counter() - start
+
+            return wrapper
+
+        def dispatch(plan: Any) -> Any:
+            self.steps += 1
+            return timed(originals["_dispatch"])(plan)
+
+        def process(plan: Any, out: Any) -> Any:
+            start = time.perf_counter()
+            jax.block_until_ready(
+                out.tokens
+            )  # the original reads the tokens first anyway: no change of order
+            self.wait_s += time.perf_counter() - start
+            return timed(originals["_process"])(plan, out)
+
+        runner._dispatch, runner._process = dispatch, process
+        llm.scheduler.schedule = timed(schedule)
+        try:
+            yield self
+        finally:
+            del runner._dispatch, runner._process, llm.scheduler.schedule
+
+    def to_dict(self) -> dict[str, Any]:
+        if not self.available:
+            return {
+                "available": False,
+                "reason": "the engine runner exposes no schedule/dispatch/process calls",
+            }
+        n = max(self.steps, 1)
+        return {
+            "available": True,
+            "steps": self.steps,
+            "host_ms_per_step": 1e3 * self.host_s / n,
+            "wait_ms_per_step": 1e3 * self.wait_s / n,
+            "host_seconds": self.host_s,
+            "wait_seconds": self.wait_s,
+        }
+
+
+def machine_info() -> dict[str, Any]:
+    """Where the numbers were measured."""
+    dev = jax.devices()[0]
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "device": f"{dev.platform}:{getattr(dev, 'device_kind', '')}",
+        "num_devices": jax.device_count(),
+    }
+
+
+class EngineBench:
+    """An engine built for one workload; :meth:`run` times one pass over the workload's requests."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+        w = workload
+        try:
+            self.llm = LLM(
+                w.model,
+                dtype=w.dtype,
+                max_num_seqs=w.max_num_seqs,
+                max_num_batched_tokens=w.max_num_batched_tokens,
+                kv_cache_memory=w.kv_cache_memory,
+                kv_cache_dtype=w.kv_cache_dtype,
+                max_model_len=w.max_model_len,
+                batch_invariant=w.batch_invariant,
+                seed=w.seed,
+                **w.engine_overrides,
+            )
+        except NotImplementedError as err:
+            raise ModelNotSupportedError(
+                f"model {w.model!r} is not supported by the engine yet: {err}"
+            ) from err
+        cfg = self.llm.model.config
+        self.requests: list[Request] = w.requests(cfg.vocab_size)
+        self.compile_count = 0
+        self.compile_seconds = 0.0
+
+    def model_dir(self) -> str:
+        """The model folder (what a baseline loads)."""
+        w = self.workload.model
+        return str(builtin.materialize(w) if builtin.is_builtin(w) else w)
+
+    def kv_bytes(self) -> dict[str, float]:
+        """KV bytes per token: the production formats (all layers, and with MTP/draft layers) and what the
+        engine's cache stores in this run's precision mode."""
+        cfg = self.llm.model.config
+        spec = self.llm.memory_plan.spec
+        return {
+            "production_format": float(cache_lib.kv_bytes_per_token(cfg)),
+            "production_format_with_draft_layers": float(
+                cache_lib.kv_bytes_per_token(cfg, num_draft_layers=cfg.num_nextn_predict_layers or 0)
+            ),
+            "engine_cache": float(spec.num_layers * spec.bytes_per_token_layer),
+            "engine_cache_dtype": spec.dtype,
+        }
+
+    def _params(self, max_tokens: int) -> SamplingParams:
+        w = self.workload
+        return SamplingParams(
+            temperature=w.temperature,
+            top_p=w.top_p,
+            top_k=w.top_k,
+            max_tokens=max_tokens,
+            ignore_eos=w.ignore_eos,
+        )
+
+    def run(self, *, measure_steps: bool = True) -> dict[str, Any]:
+        """One pass: every batch through ``generate``; returns metrics, step timing, compile counts, tokens."""
+        timer = StepTimer()
+        timings: list[RequestTiming] = []
+        tokens: list[list[int]] = []
+        steps = compiles = 0
+        compile_s = 0.0
+        wall = 0.0
+        ctx = timer.attach(self.llm) if measure_steps else contextlib.nullcontext(timer)
+        with ctx:
+            for batch in self.workload.batches(self.requests):
+                params = [self._params(r.max_tokens) for r in batch]
+                start = time.perf_counter()
+                outs = self.llm.generate(
+                    prompt_token_ids=[list(r.prompt_token_ids) for r in batch],
+                    sampling_params=params,
+                    use_tqdm=False,
+                )
+                wall += time.perf_counter() - start
+                stats = self.llm.last_stats
+                assert stats is not None
+                steps += stats.steps
+                compiles += stats.compile_count
+                compile_s += stats.compile_seconds
+                for o in outs:
+                    if o.outputs[0].finish_reason == "error":
+                        # A failed request would make every number of the run meaningless: stop here.
+                        raise RuntimeError(f"request {o.request_id} failed: {o.outputs[0].error}")
+                    timings.append(RequestTiming.from_output(o))
+                    tokens.append(list(o.outputs[0].token_ids))
+        self.compile_count += compiles
+        self.compile_seconds += compile_s
+        metrics = run_metrics(timings, wall)
+        return {
+            "metrics": metrics.to_dict(),
+            "steps": steps,
+            "compile_count": compiles,
+            "compile_seconds": compile_s,
+            "step_timing": timer.to_dict()
+            if measure_steps
+            else {"available": False, "reason": "not measured"},
+            "token_ids": tokens,
+        }
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def run_benchmark(
+    workload: Workload,
+    *,
+    baseline_python: str | None = None,
+    baseline_script: str | os.PathLike[str] | None = None,
+    baseline_threads: int = 2,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Warm up, then ``workload.repeats`` measured engine runs, each followed by a baseline run when
+    ``baseline_python`` is given; returns the JSON-able report.
+
+    Raises :class:`ModelNotSupportedError` for a model the engine does not serve yet.
+    """
+    say = log or (lambda _msg: None)
+    bench = EngineBench(workload)
+    report: dict[str, Any] = {
+        "workload": workload.to_dict(),
+        "machine": machine_info(),
+        "kv_bytes_per_token": bench.kv_bytes(),
+    }
+    warm_start = time.perf_counter()
+    for i in range(workload.warmup):
+        bench.run(measure_steps=False)
+        say(f"engine warm-up {i + 1}/{workload.warmup} done")
+    report["warmup"] = {
+        "runs": workload.warmup,
+        "seconds": time.perf_counter() - warm_start,
+        "compile_count": bench.compile_count,
+        "compile_seconds": bench.compile_seconds,
+    }
+    baseline = None
+    if baseline_python is not None:
+        say(f"starting baseline {baseline_script or DEFAULT_SCRIPT} with {baseline_python}")
+        setup = baseline_setup(
+            bench.model_dir(),
+            [r.prompt_token_ids for r in bench.requests],
+            [r.max_tokens for r in bench.requests],
+            batch_size=workload.batch_size,
+            dtype=workload.dtype,
+            threads=baseline_threads,
+            warmup=workload.warmup,
+        )
+        baseline = BaselineProcess(baseline_python, setup, script=baseline_script or DEFAULT_SCRIPT)
+    engine_runs: list[dict[str, Any]] = []
+    baseline_runs: list[dict[str, Any]] = []
+    try:
+        for i in range(workload.repeats):
+            run = bench.run()
+            engine_runs.append(run)
+            m = run["metrics"]
+            say(f"engine run {i + 1}/{workload.repeats}: {m['output_tokens_per_s']:.1f} output tokens/s")
+            if baseline is not None:
+                b = baseline.run()
+                baseline_runs.append(
+                    {
+                        "seconds": b.seconds,
+                        "input_tokens": b.input_tokens,
+                        "output_tokens": b.output_tokens,
+                        "output_tokens_per_s": b.output_tokens_per_s,
+                        "input_tokens_per_s": b.input_tokens / b.seconds,
+                        "token_ids": b.token_ids,
+                    }
+                )
+                say(f"baseline run {i + 1}/{workload.repeats}: {b.output_tokens_per_s:.1f} output tokens/s")
+    finally:
+        if baseline is not None:
+            baseline.close()
+    tokens = engine_runs[-1]["token_ids"]
+    for run in engine_runs:
+        run.pop("token_ids")
+    report["engine"] = {"runs": engine_runs, "summary": _engine_summary(engine_runs)}
+    if baseline is not None:
+        last = baseline_runs[-1]["token_ids"]
+        for run in baseline_runs:
+            run.pop("token_ids")
+        ratios = [
+            e["metrics"]["output_tokens_per_s"] / b["output_tokens_per_s"]
+            for e, b in zip(engine_runs, baseline_runs)
+        ]
+        report["baseline"] = {
+            "info": baseline.info,
+            "runs": baseline_runs,
+            "summary": {
+                "output_tokens_per_s": _median([b["output_tokens_per_s"] for b in baseline_runs]),
+                "best_output_tokens_per_s": max(b["output_tokens_per_s"] for b in baseline_runs),
+                "input_tokens_per_s": _median([b["input_tokens_per_s"] for b in baseline_runs]),
+                "seconds": _median([b["seconds"] for b in baseline_runs]),
+            },
+        }
+        best_engine = max(e["metrics"]["output_tokens_per_s"] for e in engine_runs)
+        best_baseline = max(b["output_tokens_per_s"] for b in baseline_runs)
+        report["ratio"] = {
+            "output_tokens_per_s": _median(ratios),
+            "per_pair": ratios,
+            "best_runs": best_engine / best_baseline,
+            "definition": "engine / baseline output tokens/s: the median over alternated pairs, and the ratio of "
+            "the fastest run of each side (the least disturbed by other load on the machine)",
+        }
+        report["token_agreement"] = _agreement(tokens, last)
+    return report
+
+
+def _engine_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    def med(key: str, sub: str | None = None) -> float | None:
+        vals = []
+        for r in runs:
+            v = r["metrics"][key]
+            if sub is not None:
+                v = None if v is None else v[sub]
+            if v is not None:
+                vals.append(v)
+        return _median(vals)
+
+    out: dict[str, Any] = {
+        "output_tokens_per_s": med("output_tokens_per_s"),
+        "best_output_tokens_per_s": max(r["metrics"]["output_tokens_per_s"] for r in runs),
+        "input_tokens_per_s": med("input_tokens_per_s"),
+        "wall_seconds": med("wall_seconds"),
+        "ttft_p50_s": med("ttft", "p50"),
+        "ttft_p99_s": med("ttft", "p99"),
+        "tpot_p50_s": med("tpot", "p50"),
+        "tpot_p99_s": med("tpot", "p99"),
+        "seq_tokens_per_s_p50": med("seq_tokens_per_s", "p50"),
+        "steps": _median([r["steps"] for r in runs]),
+        "compile_count": sum(r["compile_count"] for r in runs),
+    }
+    timing = [r["step_timing"] for r in runs if r["step_timing"].get("available")]
+    if timing:
+        out["host_ms_per_step"] = _median([t["host_ms_per_step"] for t in timing])
+        out["wait_ms_per_step"] = _median([t["wait_ms_per_step"] for t in timing])
+    return out
+
+
+def _agreement(engine: list[list[int]], baseline: list[list[int]]) -> dict[str, Any]:
+    """How many sequences agree token for token, and the mean length of the common prefix (greedy float32
+    runs of the same weights should agree up to floating-point near-ties)."""
+    same = sum(1 for a, b in zip(engine, baseline) if a == b)
+    prefixes = []
+    for a, b in zip(engine, baseline):
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        prefixes.append(k)
+    d = distribution(prefixes)
+    return {
+        "identical_sequences": same,
+        "sequences": min(len(engine), len(baseline)),
+        "common_prefix_mean": d.mean if d else 0.0,
+    }

@@ -1,0 +1,97 @@
+"""The harness end to end on tiny-v3 with a stand-in baseline: report shape, ratio arithmetic, plots."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from _bench_settings import ENGINE_FIELDS
+
+from deepinfer_jax.bench import ModelNotSupportedError, Workload, run_benchmark
+from deepinfer_jax.bench.plots import PLOT_FILES, write_plots
+from deepinfer_jax.bench.report import format_report, plot_point
+from deepinfer_jax.bench.runner import _agreement
+
+FAKE = Path(__file__).with_name("fake_baseline.py")
+
+
+@pytest.fixture(scope="module")
+def report():
+    w = Workload(num_requests=3, prompt_len="5:9", output_len="3", warmup=1, repeats=2, **ENGINE_FIELDS)
+    return run_benchmark(w, baseline_python=sys.executable, baseline_script=FAKE, baseline_threads=2)
+
+
+def test_report_counts_the_workload(report):
+    assert report["warmup"]["compile_count"] >= 1  # the warm-up compiles ...
+    runs = report["engine"]["runs"]
+    assert len(runs) == 2
+    for run in runs:
+        m = run["metrics"]
+        assert run["compile_count"] == 0  # ... and the measured runs never do
+        assert m["num_requests"] == 3 and m["output_tokens"] == 9  # ignore_eos: exactly 3 tokens each
+        assert m["output_tokens_per_s"] == pytest.approx(9 / m["wall_seconds"])
+        assert m["ttft"]["count"] == 3 and m["tpot"]["count"] == 3
+        assert 0 < m["ttft"]["p50"] <= m["latency"]["max"] <= m["wall_seconds"]
+        timing = run["step_timing"]
+        assert timing["available"] and timing["steps"] == run["steps"] >= 3  # prefill + 2 decodes at least
+        assert timing["host_seconds"] + timing["wait_seconds"] <= m["wall_seconds"]
+    kv = report["kv_bytes_per_token"]
+    # tiny-v3: (64 latent + 32 rope) values x 4 layers (3 + MTP); float32 cache = 4 B, production bf16 = 2 B.
+    assert kv["engine_cache"] == 96 * 4 * 4 and kv["production_format"] == 96 * 2 * 3
+    assert kv["production_format_with_draft_layers"] == 96 * 2 * 4
+
+
+def test_ratio_is_engine_over_baseline_per_pair(report):
+    base = report["baseline"]
+    assert base["info"]["name"] == "fake" and base["info"]["threads"] == 2
+    # The stand-in reports 0.5 s for 9 tokens: 18 tokens/s.
+    assert [b["output_tokens_per_s"] for b in base["runs"]] == [18.0, 18.0]
+    expected = [r["metrics"]["output_tokens_per_s"] / 18.0 for r in report["engine"]["runs"]]
+    assert report["ratio"]["per_pair"] == pytest.approx(expected)
+    assert report["ratio"]["output_tokens_per_s"] == pytest.approx(sum(expected) / 2)  # median of two
+    assert report["ratio"]["best_runs"] == pytest.approx(max(expected))
+    assert report["token_agreement"]["sequences"] == 3
+
+
+def test_table_and_plots(report, tmp_path):
+    table = format_report(report)
+    for needle in (
+        "output tokens/s",
+        "TTFT ms",
+        "TPOT ms",
+        "KV bytes/token",
+        "compilations",
+        "ratio engine/baseline",
+    ):
+        assert needle in table
+    paths = write_plots([plot_point(report, "a"), plot_point(report, "b")], tmp_path / "plots")
+    assert [p.name for p in paths] == list(PLOT_FILES)
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 1000
+    with pytest.raises(ValueError, match="no points"):
+        write_plots([], tmp_path)
+
+
+def test_agreement_counts_common_prefixes():
+    a = _agreement([[1, 2, 3], [4, 5, 6], [7]], [[1, 2, 3], [4, 9, 6], [8]])
+    assert a == {"identical_sequences": 1, "sequences": 3, "common_prefix_mean": pytest.approx(4 / 3)}
+
+
+def test_unsupported_model_is_named():
+    with pytest.raises(ModelNotSupportedError, match="model 'tiny-v4' is not supported by the engine yet"):
+        run_benchmark(Workload(model="tiny-v4", num_requests=1, prompt_len=4, output_len=2, repeats=1))
+
+
+def test_step_timer_says_when_the_runner_has_no_hooks():
+    from types import SimpleNamespace
+
+    from deepinfer_jax.bench.runner import StepTimer
+
+    timer = StepTimer()
+    with timer.attach(SimpleNamespace(runner=SimpleNamespace(), scheduler=SimpleNamespace())):
+        pass
+    assert timer.to_dict() == {
+        "available": False,
+        "reason": "the engine runner exposes no schedule/dispatch/process calls",
+    }
