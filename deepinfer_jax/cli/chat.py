@@ -18,7 +18,7 @@ from typing import Any
 
 from absl import flags
 
-from deepinfer_jax import config as config_lib
+from deepinfer_jax.cli import common
 from deepinfer_jax.text.chat import CHAT_VERSIONS, REASONING_EFFORTS
 
 
@@ -49,31 +49,7 @@ def define_flags(fv: flags.FlagValues) -> None:
         flag_values=fv,
     )
     flags.DEFINE_boolean("json", False, "print the parsed turn as one JSON object", flag_values=fv)
-    flags.DEFINE_enum(
-        "dtype",
-        "bfloat16",
-        ["float32", "bfloat16"],
-        "precision mode: float32 (parity) or bfloat16 (production)",
-        flag_values=fv,
-    )
-    flags.DEFINE_string("kv_cache_dtype", "auto", "cache storage: auto, float32 or bfloat16", flag_values=fv)
-    flags.DEFINE_string(
-        "kv_cache_memory", None, "cache budget, e.g. 512MiB (default: 2GiB on CPU)", flag_values=fv
-    )
-    flags.DEFINE_integer(
-        "max_model_len", None, "most tokens per request (default: the model's)", flag_values=fv
-    )
-    flags.DEFINE_integer("max_num_seqs", 256, "most sequences per step", flag_values=fv)
-    flags.DEFINE_integer("max_num_batched_tokens", 2048, "most tokens per step", flag_values=fv)
-    flags.DEFINE_integer("max_tokens", 256, "most tokens in the reply", flag_values=fv)
-    flags.DEFINE_float("temperature", 1.0, "sampling temperature; 0 = greedy", flag_values=fv)
-    flags.DEFINE_float("top_p", 1.0, "nucleus sampling threshold", flag_values=fv)
-    flags.DEFINE_integer("top_k", -1, "top-k sampling (-1 = off)", flag_values=fv)
-    flags.DEFINE_integer("seed", 0, "engine seed (derives the reply's sampling seed)", flag_values=fv)
-    flags.DEFINE_multi_string(
-        "set", [], "an engine config override, e.g. --set cache.block_size=16 (repeatable)", flag_values=fv
-    )
-    flags.DEFINE_boolean("progress", True, "show a progress bar", flag_values=fv)
+    common.define_engine_flags(fv, max_tokens=256, max_tokens_help="most tokens in the reply")
 
 
 def parse_message(index: int, text: str) -> dict[str, str]:
@@ -123,7 +99,6 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
             file=sys.stderr,
         )
         return 2
-    from deepinfer_jax.engine.llm import LLM
     from deepinfer_jax.engine.params import SamplingParams
     from deepinfer_jax.models import builtin
 
@@ -136,17 +111,7 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
         params = SamplingParams(
             temperature=fv.temperature, top_p=fv.top_p, top_k=fv.top_k, max_tokens=fv.max_tokens
         )
-        llm = LLM(
-            fv.model,
-            dtype=fv.dtype,
-            kv_cache_dtype=fv.kv_cache_dtype,
-            max_model_len=fv.max_model_len,
-            max_num_seqs=fv.max_num_seqs,
-            max_num_batched_tokens=fv.max_num_batched_tokens,
-            kv_cache_memory=fv.kv_cache_memory,
-            seed=fv.seed,
-            **config_lib.parse_overrides(fv.set),
-        )
+        llm = common.llm_from_flags(fv)
         if builtin.is_builtin(fv.model):
             print(
                 f"{fv.model} is a built-in test model with random weights: its replies are noise.",

@@ -63,3 +63,49 @@ def config_from_flags(fv: flags.FlagValues, **extra_overrides: Any) -> config_li
         gin_bindings=tuple(fv.gin_binding),
         overrides=overrides,
     )
+
+
+def define_engine_flags(fv: flags.FlagValues, *, max_tokens: int, max_tokens_help: str) -> None:
+    """The engine and sampling flags shared by the subcommands that run `LLM` (`generate`, `chat`)."""
+    flags.DEFINE_enum(
+        "dtype",
+        "bfloat16",
+        ["float32", "bfloat16"],
+        "precision mode: float32 (parity) or bfloat16 (production)",
+        flag_values=fv,
+    )
+    flags.DEFINE_string("kv_cache_dtype", "auto", "cache storage: auto, float32 or bfloat16", flag_values=fv)
+    flags.DEFINE_string(
+        "kv_cache_memory", None, "cache budget, e.g. 512MiB (default: 2GiB on CPU)", flag_values=fv
+    )
+    flags.DEFINE_integer(
+        "max_model_len", None, "most tokens per request (default: the model's)", flag_values=fv
+    )
+    flags.DEFINE_integer("max_num_seqs", 256, "most sequences per step", flag_values=fv)
+    flags.DEFINE_integer("max_num_batched_tokens", 2048, "most tokens per step", flag_values=fv)
+    flags.DEFINE_integer("max_tokens", max_tokens, max_tokens_help, flag_values=fv)
+    flags.DEFINE_float("temperature", 1.0, "sampling temperature; 0 = greedy", flag_values=fv)
+    flags.DEFINE_float("top_p", 1.0, "nucleus sampling threshold", flag_values=fv)
+    flags.DEFINE_integer("top_k", -1, "top-k sampling (-1 = off)", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "engine seed (derives each request's sampling seed)", flag_values=fv)
+    flags.DEFINE_multi_string(
+        "set", [], "an engine config override, e.g. --set cache.block_size=16 (repeatable)", flag_values=fv
+    )
+    flags.DEFINE_boolean("progress", True, "show a progress bar", flag_values=fv)
+
+
+def llm_from_flags(fv: flags.FlagValues) -> Any:
+    """`LLM(...)` from the flags of :func:`define_engine_flags` (and `--model`)."""
+    from deepinfer_jax.engine.llm import LLM
+
+    return LLM(
+        fv.model,
+        dtype=fv.dtype,
+        kv_cache_dtype=fv.kv_cache_dtype,
+        max_model_len=fv.max_model_len,
+        max_num_seqs=fv.max_num_seqs,
+        max_num_batched_tokens=fv.max_num_batched_tokens,
+        kv_cache_memory=fv.kv_cache_memory,
+        seed=fv.seed,
+        **config_lib.parse_overrides(fv.set),
+    )

@@ -13,7 +13,7 @@ import sys
 
 from absl import flags
 
-from deepinfer_jax import config as config_lib
+from deepinfer_jax.cli import common
 
 
 def define_flags(fv: flags.FlagValues) -> None:
@@ -24,32 +24,8 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_multi_string(
         "prompt_ids", [], "a prompt as comma-separated token ids (repeatable)", flag_values=fv
     )
-    flags.DEFINE_enum(
-        "dtype",
-        "bfloat16",
-        ["float32", "bfloat16"],
-        "precision mode: float32 (parity) or bfloat16 (production)",
-        flag_values=fv,
-    )
-    flags.DEFINE_string("kv_cache_dtype", "auto", "cache storage: auto, float32 or bfloat16", flag_values=fv)
-    flags.DEFINE_string(
-        "kv_cache_memory", None, "cache budget, e.g. 512MiB (default: 2GiB on CPU)", flag_values=fv
-    )
-    flags.DEFINE_integer(
-        "max_model_len", None, "most tokens per request (default: the model's)", flag_values=fv
-    )
-    flags.DEFINE_integer("max_num_seqs", 256, "most sequences per step", flag_values=fv)
-    flags.DEFINE_integer("max_num_batched_tokens", 2048, "most tokens per step", flag_values=fv)
-    flags.DEFINE_integer("max_tokens", 16, "tokens to generate per prompt", flag_values=fv)
-    flags.DEFINE_float("temperature", 1.0, "sampling temperature; 0 = greedy", flag_values=fv)
-    flags.DEFINE_float("top_p", 1.0, "nucleus sampling threshold", flag_values=fv)
-    flags.DEFINE_integer("top_k", -1, "top-k sampling (-1 = off)", flag_values=fv)
-    flags.DEFINE_integer("seed", 0, "engine seed (derives each request's sampling seed)", flag_values=fv)
+    common.define_engine_flags(fv, max_tokens=16, max_tokens_help="tokens to generate per prompt")
     flags.DEFINE_boolean("ignore_eos", False, "keep generating after EOS", flag_values=fv)
-    flags.DEFINE_multi_string(
-        "set", [], "an engine config override, e.g. --set cache.block_size=16 (repeatable)", flag_values=fv
-    )
-    flags.DEFINE_boolean("progress", True, "show a progress bar", flag_values=fv)
 
 
 def _parse_ids(items: list[str]) -> list[list[int]]:
@@ -69,22 +45,11 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
     if bool(fv.prompt) == bool(fv.prompt_ids):
         print("generate: give --prompt or --prompt_ids (one of them)", file=sys.stderr)
         return 2
-    from deepinfer_jax.engine.llm import LLM
     from deepinfer_jax.engine.params import SamplingParams
     from deepinfer_jax.models import builtin
 
     try:
-        llm = LLM(
-            fv.model,
-            dtype=fv.dtype,
-            kv_cache_dtype=fv.kv_cache_dtype,
-            max_model_len=fv.max_model_len,
-            max_num_seqs=fv.max_num_seqs,
-            max_num_batched_tokens=fv.max_num_batched_tokens,
-            kv_cache_memory=fv.kv_cache_memory,
-            seed=fv.seed,
-            **config_lib.parse_overrides(fv.set),
-        )
+        llm = common.llm_from_flags(fv)
         params = SamplingParams(
             temperature=fv.temperature,
             top_p=fv.top_p,
