@@ -51,7 +51,13 @@ def collect(fv: flags.FlagValues) -> dict[str, Any]:
     out["model"] = {
         "source": fv.model or fv.config,
         "builtin": builtin_name,
-        "weights": "random (built-in test model)" if builtin_name else "from the checkpoint",
+        "weights": (
+            "random (built-in test model)"
+            if builtin_name
+            else "none (a config file only)"
+            if str(fv.model or "").endswith((".yaml", ".yml", ".json"))
+            else "from the checkpoint"
+        ),
         "family": model.family,
         "missing_fields": list(model.missing_fields()),
     }

@@ -101,6 +101,7 @@ def test_info_real_shape_reports_sizes_and_missing_values(capsys):
     report = info_json(capsys, "--model", str(ROOT / "configs" / "deepseek_v41_flash.yaml"))
     assert report["record_bytes_per_token"] == {"window": 528, "compressed": 288, "indexer": 68}
     assert "rope_theta" in " ".join(report["model"]["missing_fields"])
+    assert report["model"]["weights"] == "none (a config file only)"
     kv = report["kv_bytes_per_token"]
     # 40 windows of 528 B; KV/index-K sources 2, 8, 14 (ratio 2) and 20 (ratio 1): 3 * 288/2 + 288 and
     # 3 * 68/2 + 68; the 3 draft layers add a window record each.
