@@ -35,6 +35,7 @@ from deepinfer_jax.models.deepseek_v4.compressor import (
     compress_chunk,
     indexer_select,
     init_compressor_state,
+    per_row,
     visible_entries,
 )
 from deepinfer_jax.ops import apply_rope, register_op, rms_norm, rope_cos_sin
@@ -177,19 +178,28 @@ def grouped_output_projection(
 
 
 def _window_keys(
-    ring: jax.Array, kv: jax.Array, start: jax.Array, positions: jax.Array, window: int
+    ring: jax.Array, kv: jax.Array, start: jax.Array, positions: jax.Array, lengths: jax.Array, window: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Keys ``[B, W + S, D]`` (ring, then the new tokens), their mask ``[S, W + S]`` and the updated ring."""
+    """Keys ``[B, W + S, D]`` (ring, then the new tokens), their mask ``[B, S, W + S]`` and the updated ring.
+
+    ``start``/``lengths`` are ``[B]`` and ``positions`` ``[B, S]``: every row has its own ring positions. Only a
+    row's last ``min(lengths[b], W)`` real tokens are written; padding past ``lengths[b]`` leaves the ring alone
+    (and, lying after every real query, is never attended by one).
+    """
+    batch, seq = positions.shape
     slots = jnp.arange(window, dtype=jnp.int32)
     # Ring slot s holds the latest position q < start with q ≡ s (mod W); none yet when q < 0.
-    ring_pos = start - 1 - jnp.mod(start - 1 - slots, window)
-    key_pos = jnp.concatenate([ring_pos, positions])
-    q_pos = positions[:, None]
-    mask = (key_pos[None, :] >= 0) & (key_pos[None, :] <= q_pos) & (key_pos[None, :] > q_pos - window)
+    ring_pos = start[:, None] - 1 - jnp.mod(start[:, None] - 1 - slots, window)
+    key_pos = jnp.concatenate([ring_pos, positions], axis=1)[:, None, :]
+    q_pos = positions[:, :, None]
+    mask = (key_pos >= 0) & (key_pos <= q_pos) & (key_pos > q_pos - window)
     keys = jnp.concatenate([ring, kv.astype(ring.dtype)], axis=1)
-    keep = min(kv.shape[1], window)
-    new_slots = jnp.mod(positions[-keep:], window)
-    ring = ring.at[:, new_slots].set(kv[:, -keep:].astype(ring.dtype))
+    index = jnp.arange(seq, dtype=jnp.int32)[None, :]
+    # The last W real tokens have distinct slots; everything else is sent out of range and dropped.
+    write = (index < lengths[:, None]) & (index >= lengths[:, None] - window)
+    new_slots = jnp.where(write, jnp.mod(positions, window), window)
+    rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
+    ring = ring.at[rows, new_slots].set(kv.astype(ring.dtype), mode="drop")
     return keys, mask, ring
 
 
@@ -200,19 +210,25 @@ def attention_layer(
     state: AttentionState,
     spec: AttentionSpec,
     numerics: LinearNumerics,
+    *,
+    lengths: jax.Array | None = None,
 ) -> tuple[jax.Array, AttentionState]:
     """One attention sub-layer over ``S`` new tokens at positions ``start ..``; returns ``(y [B, S, H], state)``.
+
+    ``start`` is an int scalar shared by the batch or an int vector ``[B]`` (row ``b`` at ``start[b] ..``);
+    ``lengths`` (scalar or ``[B]``, default ``S``) counts each row's real tokens, the rest being padding whose
+    outputs are meaningless and which leaves the state as if it had not been fed.
 
     ``p`` holds ``wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, sinks`` and, for compressed layers,
     ``compressor`` (``wkv, wgate, ape, norm``) and, for CSA layers, ``indexer`` (``wq_b, weights_proj`` and its
     own ``compressor``). ``x`` is the attention-normalised input.
     """
     b, s, _ = x.shape
-    start = jnp.asarray(start, jnp.int32)
-    positions = start + jnp.arange(s, dtype=jnp.int32)
+    start = per_row(start, b, name="start", caller="attention_layer")
+    lengths = per_row(s if lengths is None else lengths, b, name="lengths", caller="attention_layer")
+    positions = start[:, None] + jnp.arange(s, dtype=jnp.int32)  # [B, S]
     freqs = spec.freqs()
-    cos, sin = rope_cos_sin(positions, freqs)
-    cos, sin = cos[None], sin[None]
+    cos, sin = rope_cos_sin(positions, freqs)  # [B, S, rope_dim/2]
 
     q_res = rms_norm(linear(x, p["wq_a"], numerics), p["q_norm"], eps=spec.eps)
     q = linear(q_res, p["wq_b"], numerics).reshape(b, s, spec.heads, spec.head_dim)
@@ -221,8 +237,7 @@ def attention_layer(
     kv = rms_norm(linear(x, p["wkv"], numerics), p["kv_norm"], eps=spec.eps)
     kv = apply_rope(kv, cos, sin, rope_dim=spec.rope_dim)
 
-    keys, mask, ring = _window_keys(state.window, kv, start, positions, spec.window)
-    mask = jnp.broadcast_to(mask[None], (b, *mask.shape))
+    keys, mask, ring = _window_keys(state.window, kv, start, positions, lengths, spec.window)
     compressor_state, indexer_state = state.compressor, state.indexer
     if spec.kind != SLIDING:
         if compressor_state is None:
@@ -238,10 +253,10 @@ def attention_layer(
             norm_eps=spec.eps,
             rope_freqs=freqs,
             rope_dim=spec.rope_dim,
+            lengths=lengths,
         )
         entries = compressor_state.entries
-        visible = visible_entries(positions, spec.ratio, entries.shape[1])[None]
-        selected = jnp.broadcast_to(visible, (b, *visible.shape[1:]))
+        selected = visible_entries(positions, spec.ratio, entries.shape[1])  # [B, S, capacity]
         if spec.kind == CSA:
             if indexer_state is None:
                 raise ValueError(
@@ -259,6 +274,7 @@ def attention_layer(
                 norm_eps=spec.eps,
                 rope_freqs=freqs,
                 rope_dim=spec.rope_dim,
+                lengths=lengths,
             )
             qi = linear(q_res, ip["wq_b"], numerics).reshape(b, s, spec.index_heads, spec.index_dim)
             qi = apply_rope(qi, cos, sin, rope_dim=spec.rope_dim)

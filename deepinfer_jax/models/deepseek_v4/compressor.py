@@ -42,12 +42,13 @@ __all__ = [
     "indexer_scores",
     "indexer_select",
     "init_compressor_state",
+    "per_row",
     "visible_entries",
 ]
 
 
 class CompressorState(NamedTuple):
-    """Incremental state of one compressor for a batch of sequences that share their position.
+    """Incremental state of one compressor for a batch of sequences, each at its own position.
 
     Attributes:
       tail_kv, tail_gate: ``[B, r, F]`` projections (gate without ``ape``) of the tokens of the current,
@@ -99,6 +100,22 @@ register_op(
 )
 
 
+def per_row(value: jax.Array | int, batch: int, *, name: str, caller: str) -> jax.Array:
+    """``value`` (an int scalar shared by the batch, or one int per row) as an int32 vector ``[batch]``.
+
+    Only shape and dtype are checked, so traced values pass without a host sync; a scalar is broadcast, which
+    makes the shared-position call a special case of the per-row one rather than a second code path.
+    """
+    value = jnp.asarray(value)
+    if not jnp.issubdtype(value.dtype, jnp.integer):
+        raise TypeError(
+            f"{caller}: {name} must be an integer scalar or [{batch}] vector, got dtype {value.dtype}"
+        )
+    if value.shape not in ((), (batch,)):
+        raise ValueError(f"{caller}: {name} must be a scalar or a [{batch}] vector, got shape {value.shape}")
+    return jnp.broadcast_to(value.astype(jnp.int32), (batch,))
+
+
 def compress_chunk(
     state: CompressorState,
     kv: jax.Array,
@@ -110,12 +127,20 @@ def compress_chunk(
     norm_eps: float,
     rope_freqs: jax.Array,
     rope_dim: int,
+    lengths: jax.Array | None = None,
 ) -> CompressorState:
-    """Feed ``S`` new tokens' projections ``kv``/``gate [B, S, F]`` (positions ``start .. start+S-1``).
+    """Feed ``S`` new tokens' projections ``kv``/``gate [B, S, F]`` (row ``b`` at positions ``start[b] ..``).
 
     Every window completed by these tokens is pooled, normalised, rotated to its first position and written to
     ``entries``; the tail and (overlapping) prev series are advanced. ``start`` is a traced int scalar shared by
-    the batch; ``S`` is static. ``ape [r, F]`` is the position bias of the window slots.
+    the batch or an int vector ``[B]`` with one start per row; ``S`` is static. ``lengths`` (scalar or ``[B]``,
+    default ``S``) is how many of a row's tokens are real: the rest is padding that completes no window (its
+    slots land in the tail, where the next real tokens overwrite them). ``ape [r, F]`` is the position bias of
+    the window slots.
+
+    Each row is laid out on its own window grid, so rows at different positions (one decoding inside a window
+    while another prefills from 0) advance independently; the grid has the same static size for every row
+    because it is counted from the window holding the row's start.
     """
     batch, ratio, feats = state.tail_kv.shape
     width = state.entries.shape[-1]
@@ -125,19 +150,21 @@ def compress_chunk(
         raise ValueError(f"compress_chunk: kv {kv.shape} / gate {gate.shape} must be [{batch}, S, {feats}]")
     if ape.shape != (ratio, feats):
         raise ValueError(f"compress_chunk: ape has shape {ape.shape}, expected ({ratio}, {feats})")
-    n_win = seq // ratio + 2  # windows the chunk can touch, counted from the one holding `start`
-    start = jnp.asarray(start, jnp.int32)
-    first_win = start // ratio
+    n_win = seq // ratio + 2  # windows the chunk can touch, counted from the one holding a row's start
+    start = per_row(start, batch, name="start", caller="compress_chunk")
+    lengths = per_row(seq if lengths is None else lengths, batch, name="lengths", caller="compress_chunk")
+    first_win = start // ratio  # [B]
     offset = start % ratio
 
-    def lay_out(tail: jax.Array, new: jax.Array) -> jax.Array:
-        grid = jnp.zeros((batch, n_win * ratio, feats), new.dtype)
-        grid = lax.dynamic_update_slice(grid, tail.astype(new.dtype), (0, 0, 0))
-        grid = lax.dynamic_update_slice(grid, new, (0, offset, 0))
-        return grid.reshape(batch, n_win, ratio, feats)
+    def lay_out_row(tail: jax.Array, new: jax.Array, at: jax.Array) -> jax.Array:
+        grid = jnp.zeros((n_win * ratio, feats), new.dtype)
+        grid = lax.dynamic_update_slice(grid, tail.astype(new.dtype), (0, 0))
+        grid = lax.dynamic_update_slice(grid, new, (at, 0))
+        return grid.reshape(n_win, ratio, feats)
 
-    win_kv = lay_out(state.tail_kv, kv)
-    win_gate_raw = lay_out(state.tail_gate, gate.astype(jnp.float32))
+    lay_out = jax.vmap(lay_out_row)
+    win_kv = lay_out(state.tail_kv, kv, offset)
+    win_gate_raw = lay_out(state.tail_gate, gate.astype(jnp.float32), offset)
     win_gate = win_gate_raw + ape.astype(jnp.float32)
 
     pool = get_op("v4_compressor_pool")
@@ -153,23 +180,28 @@ def compress_chunk(
     else:
         pooled = pool(win_kv, win_gate)
     normed = rms_norm(pooled, norm_weight, eps=norm_eps)
-    win_index = first_win + jnp.arange(n_win, dtype=jnp.int32)
+    win_index = first_win[:, None] + jnp.arange(n_win, dtype=jnp.int32)  # [B, n_win]
     cos, sin = rope_cos_sin(win_index * ratio, rope_freqs)
-    entries_new = apply_rope(normed, cos[None], sin[None], rope_dim=rope_dim)  # [B, n_win, W]
+    entries_new = apply_rope(normed, cos, sin, rope_dim=rope_dim)  # [B, n_win, W]
 
-    done = (start + seq) // ratio  # windows complete after this chunk (absolute count)
+    done = (start + lengths) // ratio  # [B] windows complete after this chunk (absolute count)
     capacity = state.entries.shape[1]
-    target = jnp.where(win_index < done, win_index, capacity)  # incomplete windows are dropped
-    entries = state.entries.at[:, target].set(entries_new.astype(state.entries.dtype), mode="drop")
+    target = jnp.where(win_index < done[:, None], win_index, capacity)  # incomplete windows are dropped
+    rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
+    entries = state.entries.at[rows, target].set(entries_new.astype(state.entries.dtype), mode="drop")
 
-    tail_win = done - first_win  # index (in the chunk's grid) of the new incomplete window
-    tail_kv = lax.dynamic_index_in_dim(win_kv, tail_win, axis=1, keepdims=False)
-    tail_gate = lax.dynamic_index_in_dim(win_gate_raw, tail_win, axis=1, keepdims=False)
+    def pick(grid: jax.Array, index: jax.Array) -> jax.Array:
+        """Window ``index[b]`` of row ``b``'s grid ``[B, n_win, r, F]``."""
+        return jnp.take_along_axis(grid, index[:, None, None, None], axis=1)[:, 0]
+
+    tail_win = done - first_win  # [B] index (in the row's grid) of its new incomplete window
+    tail_kv = pick(win_kv, tail_win)
+    tail_gate = pick(win_gate_raw, tail_win)
     if overlap:
+        completed = (tail_win >= 1)[:, None, None]
         last = jnp.maximum(tail_win - 1, 0)
-        completed = tail_win >= 1
-        last_kv = lax.dynamic_index_in_dim(win_kv, last, axis=1, keepdims=False)[..., :width]
-        last_gate = lax.dynamic_index_in_dim(win_gate, last, axis=1, keepdims=False)[..., :width]
+        last_kv = pick(win_kv, last)[..., :width]
+        last_gate = pick(win_gate, last)[..., :width]
         prev_kv_out = jnp.where(completed, last_kv.astype(state.prev_kv.dtype), state.prev_kv)
         prev_gate_out = jnp.where(completed, last_gate, state.prev_gate)
     else:

@@ -1,10 +1,12 @@
 """The DeepSeek-V4 forward as a pure function over a parameter tree and an explicit incremental state.
 
 ``forward_chunk(params, ids, start, state, plan=..., numerics=...)`` runs ``S`` new tokens (positions
-``start .. start+S-1``) of a batch of equally long sequences through the model and returns their logits and the
-advanced state. A full forward is one chunk from position 0 on a fresh state (:func:`forward_logits`); decode is
-a chunk of one token. Both paths execute the same code, so "token-by-token decode equals the full forward" is a
-property of the state bookkeeping (window ring, compressor tails and overlap series), which the tests check.
+``start .. start+S-1``) of a batch of sequences through the model and returns their logits and the advanced
+state; ``start`` may be one position for the whole batch or one per row (``[B]``), and ``lengths`` may mark
+right padding, so sequences at different positions (decoding, prefilling) share one call. A full forward is
+one chunk from position 0 on a fresh state (:func:`forward_logits`); decode is a chunk of one token. Both
+paths execute the same code, so "token-by-token decode equals the full forward" is a property of the state
+bookkeeping (window ring, compressor tails and overlap series), which the tests check.
 
 Per layer (model.md §6-§8 with V4's layer kinds): mHC mixes -> collapse -> attention norm -> attention
 (:mod:`.attention`) -> mHC expand; mHC mixes -> collapse -> FFN norm -> MoE (score-routed with the
@@ -24,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from deepinfer_jax.config.v4 import DeepseekV4Config
 from deepinfer_jax.models.common.embedding import embed_tokens, lm_head
@@ -185,26 +188,58 @@ def moe_layer(
     return out.reshape(b, s, h)
 
 
-def _check_capacity(state: tuple[AttentionState, ...], start: Any, length: int, plan: V4Plan) -> None:
-    """Refuse, when ``start`` is concrete, a chunk whose compressed entries would not fit the state.
-
-    Under ``jax.jit`` ``start`` is traced and cannot be checked here: callers that jit must keep
-    ``start + S <= max_len`` of :func:`init_state` themselves (the engine's scheduler does).
-    """
+def _concrete(value: Any) -> np.ndarray | None:
+    """``value`` as a host int64 array when it is concrete (not traced under ``jax.jit``), else ``None``."""
     try:
-        first = int(start)
-    except (TypeError, jax.errors.ConcretizationTypeError):
+        return np.asarray(value, dtype=np.int64)
+    except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return None
+
+
+def _check_rows(
+    state: tuple[AttentionState, ...], start: Any, lengths: Any, batch: int, seq: int, plan: V4Plan
+) -> None:
+    """Refuse a malformed ``start``/``lengths`` and, when they are concrete, a chunk that would not fit the state.
+
+    Shapes and dtypes are checked always (they are static under ``jax.jit``). Values only when concrete: under
+    ``jax.jit`` they are traced, and callers that jit must keep ``0 <= lengths <= S`` and
+    ``start + lengths <= max_len`` of :func:`init_state` themselves (the engine's scheduler does).
+    """
+    for name, value in (("start", start), ("lengths", lengths)):
+        if value is None:
+            continue
+        dtype = getattr(value, "dtype", None)
+        if dtype is None and isinstance(value, int) and not isinstance(value, bool):
+            dtype = np.dtype(np.int64)
+        if dtype is None or not np.issubdtype(dtype, np.integer):
+            raise TypeError(
+                f"forward_chunk: {name} must be an int scalar or an int [{batch}] vector, got "
+                f"{type(value).__name__} of dtype {dtype}"
+            )
+        if np.shape(value) not in ((), (batch,)):
+            raise ValueError(
+                f"forward_chunk: {name} must be a scalar or a [{batch}] vector (one per batch row), got shape "
+                f"{np.shape(value)}"
+            )
+    first = _concrete(start)
+    count = np.int64(seq) if lengths is None else _concrete(lengths)
+    if first is not None and (first < 0).any():
+        raise ValueError(f"forward_chunk: start = {first.tolist()} must be >= 0")
+    if count is not None and ((count < 0) | (count > seq)).any():
+        raise ValueError(
+            f"forward_chunk: lengths = {count.tolist()} must lie in [0, {seq}] (the chunk's tokens)"
+        )
+    if first is None or count is None:
         return
-    if first < 0:
-        raise ValueError(f"forward_chunk: start = {first} must be >= 0")
+    end = int(np.max(np.broadcast_to(first + count, (batch,))))
     for i, (spec, layer) in enumerate(zip(plan.attention, state, strict=True)):
         if layer.compressor is None:
             continue
         capacity = layer.compressor.entries.shape[1]
-        needed = (first + length) // spec.ratio
+        needed = end // spec.ratio
         if needed > capacity:
             raise ValueError(
-                f"forward_chunk: positions up to {first + length} need {needed} compressed entries in layer {i} "
+                f"forward_chunk: positions up to {end} need {needed} compressed entries in layer {i} "
                 f"(ratio {spec.ratio}), but the state holds {capacity}; build it with a larger max_len"
             )
 
@@ -217,13 +252,21 @@ def forward_chunk(
     *,
     plan: V4Plan,
     numerics: LinearNumerics,
+    lengths: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple[AttentionState, ...]]:
-    """Logits ``float32 [B, S, V]`` of tokens ``ids [B, S]`` at positions ``start ..``, and the new state."""
+    """Logits ``float32 [B, S, V]`` of tokens ``ids [B, S]`` at positions ``start ..``, and the new state.
+
+    ``start`` is an int scalar (every row at the same position) or an int vector ``[B]``: row ``b`` holds
+    positions ``start[b] .. start[b]+S-1``, so one call can decode some sequences while others prefill.
+    ``lengths`` (scalar or ``[B]``, default ``S``) is how many of a row's ``S`` tokens are real; the rest is
+    right padding whose logits are meaningless and which leaves that row's state exactly as if only the real
+    tokens had been fed. Both may be traced: changing their values neither syncs with the host nor recompiles.
+    """
     if ids.ndim != 2:
         raise ValueError(f"forward_chunk: ids must be [batch, tokens], got shape {ids.shape}")
     if len(state) != plan.num_layers:
         raise ValueError(f"forward_chunk: state has {len(state)} layers, the plan {plan.num_layers}")
-    _check_capacity(state, start, ids.shape[1], plan)
+    _check_rows(state, start, lengths, ids.shape[0], ids.shape[1], plan)
     x = embed_tokens(params["embed"], ids, dtype=jnp.float32)
     streams = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], plan.hc_mult, x.shape[-1]))
     hc = {"hc_eps": plan.hc_eps, "sinkhorn_iters": plan.hc_sinkhorn_iters, "norm_eps": plan.eps}
@@ -231,7 +274,7 @@ def forward_chunk(
     for i, (spec, lp) in enumerate(zip(plan.attention, params["layers"], strict=True)):
         mix = hc_mixes(streams, **lp["hc_attn"], **hc)
         xn = rms_norm(hc_collapse(streams, mix.pre), lp["attn_norm"], eps=plan.eps)
-        y, layer_state = attention_layer(lp["attn"], xn, start, state[i], spec, numerics)
+        y, layer_state = attention_layer(lp["attn"], xn, start, state[i], spec, numerics, lengths=lengths)
         new_state.append(layer_state)
         streams = hc_expand(streams, y, mix.post, mix.comb)
         mix = hc_mixes(streams, **lp["hc_ffn"], **hc)
