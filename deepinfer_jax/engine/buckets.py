@@ -4,8 +4,12 @@ Every step is padded up to one bucket (:func:`deepinfer_jax.engine.plan.choose_b
 sees a handful of shapes, each compiled once when it is first needed. The list is a small grid: token counts
 16 / 64 / 256 / ``max_num_batched_tokens`` against sequence counts 8 / 32 / 128 / ``max_num_seqs``, trimmed to
 the budgets, with ``S <= T`` (every real sequence of a step brings at least one token, so a bucket with more
-rows than tokens is never the smallest fit). Few buckets keep compile time down on a 2-core machine; the price
-is padding, which a decode step of a few sequences pays in the ``T = 16`` bucket at most.
+rows than tokens is never the smallest fit). Few buckets keep compile time down on a 2-core machine (each one
+used compiles once, a few seconds on CPU). The price would be padding: a prefill of 512 tokens padded to a
+2048 budget does four times the work. The scheduler avoids it instead of a denser grid: when a step fills less
+than half of its bucket, it cuts the step's prefill chunks to fill a smaller bucket exactly
+(``Scheduler(min_bucket_fill=)``), so a step wastes at most half its bucket, and a decode step of a few
+sequences at most the ``T = 16`` bucket. docs/engine.md records the measurements behind this choice.
 """
 
 from __future__ import annotations

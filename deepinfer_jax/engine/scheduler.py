@@ -6,6 +6,10 @@ ported):
 * **Continuous batching with chunked prefill, always on.** Every step mixes decode tokens of running requests
   and prefill chunks under one token budget, ``max_num_batched_tokens`` (any value >= 1: a prompt longer than
   the budget is prefilled over several steps), and at most ``max_num_seqs`` sequences.
+* **Steps fill their bucket.** A step is padded to the smallest compiled ``(tokens, sequences)`` bucket that
+  holds it. When its tokens would fill less than ``min_bucket_fill`` (default half) of that bucket, its
+  prefill chunks are shortened to fill the largest smaller bucket exactly, and the rest runs next step:
+  padding costs as much as real tokens, and a prefill split over full steps reaches its first token sooner.
 * **Running requests first, then FCFS admission.** Running requests are served in admission order, each with
   one decode token or the next chunk of an unfinished prefill; then waiting requests are admitted strictly in
   order while the budgets, a free state slot and blocks for all their known tokens allow. The first request
@@ -241,6 +245,9 @@ class Scheduler:
             stays ``""``, and stop strings are refused).
         stream: :meth:`process_outputs` also returns a snapshot of every request that received a token.
         clock: time source of the metrics.
+        min_bucket_fill: when a step's tokens fill less than this fraction of the bucket they would be padded
+            to, its prefill chunks are shortened to fill a smaller bucket exactly instead (0 disables this;
+            with a single bucket there is nothing smaller to fill).
     """
 
     def __init__(
@@ -259,6 +266,7 @@ class Scheduler:
         tokenizer: Tokenizer | None = None,
         stream: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        min_bucket_fill: float = 0.5,
     ) -> None:
         self.block_size = _positive("block_size", block_size)
         self.max_num_seqs = _positive("max_num_seqs", max_num_seqs)
@@ -292,6 +300,14 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.stream = bool(stream)
         self._clock = clock
+        if isinstance(min_bucket_fill, bool) or not isinstance(min_bucket_fill, int | float):
+            raise TypeError(
+                f"Scheduler min_bucket_fill must be a float, got {type(min_bucket_fill).__name__} "
+                f"({min_bucket_fill!r})"
+            )
+        if not 0.0 <= min_bucket_fill <= 1.0:
+            raise ValueError(f"Scheduler min_bucket_fill = {min_bucket_fill} must be in [0, 1]")
+        self.min_bucket_fill = float(min_bucket_fill)
         self._requests: dict[str, Request] = {}
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []
@@ -444,7 +460,48 @@ class Scheduler:
 
         if not rows:
             return None
-        return self._build_plan(rows)
+        return self._build_plan(self._fill_bucket(rows))
+
+    def _fill_bucket(self, rows: list[_Row]) -> list[_Row]:
+        """Cut the step's prefill tokens to a bucket they fill, when the bucket they need is mostly padding.
+
+        The step's tokens are padded up to the smallest bucket that holds them, and a padded token costs what
+        a real one costs. When the real tokens fill less than ``min_bucket_fill`` of that bucket, the step is
+        cut instead to the largest smaller bucket it can fill exactly: prefill tokens are taken off the end
+        (the latest rows first; decode rows are never cut, and at least one prefill token stays, so prefills
+        always progress) and run in a later step, where they join that step's decodes. A row that loses all
+        its tokens leaves the step; its request stays admitted (it holds its blocks and slot) and, being
+        running, is served before any new admission next step, so FCFS holds.
+        """
+        num_tokens = sum(r.length for r in rows)
+        padded, _ = choose_bucket(num_tokens, len(rows), self.buckets)
+        if num_tokens >= self.min_bucket_fill * padded:
+            return rows
+        # A target must keep at least one prefill token: decodes alone could otherwise fill the smaller bucket
+        # step after step and starve a waiting prefill.
+        fixed = sum(r.length for r in rows if r.decode)
+        for target in sorted({t for t, _ in self.buckets if fixed < t < num_tokens}, reverse=True):
+            kept = self._trim_rows(rows, num_tokens - target)
+            if choose_bucket(target, len(kept), self.buckets)[0] != target:
+                continue  # no bucket of exactly these tokens holds the remaining rows
+            return kept
+        return rows
+
+    @staticmethod
+    def _trim_rows(rows: list[_Row], excess: int) -> list[_Row]:
+        """New rows with ``excess`` prefill tokens taken off the end (rows left with none are omitted)."""
+        out: list[_Row] = []
+        for row in reversed(rows):
+            cut = 0 if row.decode else min(excess, row.length)
+            excess -= cut
+            if cut == row.length:
+                continue
+            if cut:
+                # A shortened chunk ends before the sequence's last known token, so it samples nothing.
+                row = dataclasses.replace(row, length=row.length - cut, sample=False)
+            out.append(row)
+        out.reverse()
+        return out
 
     def _schedule_running(self) -> tuple[list[_Row], int]:
         """Rows of the running requests (admission order, within the budgets) and the tokens left.

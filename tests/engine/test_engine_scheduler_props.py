@@ -112,6 +112,11 @@ def scenarios(draw: st.DrawFn) -> dict:
     }
     if draw(st.booleans()):
         config["buckets"] = [(1, 1), (4, 2), (budget, min(max_num_seqs, budget))]
+        if draw(st.booleans()):
+            config["buckets"] += [(2, 2), (8, min(max_num_seqs, 8))]
+            config["buckets"] = [(t, s) for t, s in config["buckets"] if t <= budget]
+    # 0 never shortens a step for its bucket; 1 shortens every step that does not fill its bucket exactly.
+    config["min_bucket_fill"] = draw(st.sampled_from([0.0, 0.5, 1.0]))
     # Under pressure every request runs to its longest length, all at once: the cache runs dry.
     pressure = draw(st.booleans())
     specs = []
@@ -131,10 +136,16 @@ def scenarios(draw: st.DrawFn) -> dict:
     return {"config": config, "specs": specs, "depth": draw(st.sampled_from([0, 1, 2]))}
 
 
-def check_invariants(sched: Scheduler, plan: StepPlan) -> None:
+def check_invariants(sched: Scheduler, plan: StepPlan, num_decodes: int) -> None:
     plan.validate(block_size=sched.block_size)
     assert plan.num_tokens <= sched.max_num_batched_tokens and plan.num_seqs <= sched.max_num_seqs
     assert plan.bucket in sched.buckets
+    # The bucket is well filled, unless no smaller bucket holding these rows could have been filled by cutting
+    # prefill tokens (decode tokens are never cut, and one prefill token at least stays).
+    if plan.num_tokens < sched.min_bucket_fill * plan.bucket[0]:
+        assert not any(num_decodes < t < plan.num_tokens and s >= plan.num_seqs for t, s in sched.buckets), (
+            "a step was padded although a smaller bucket could have been filled"
+        )
     running = list(sched._running)
     assert len(running) <= sched.max_num_seqs
     owned = [b for r in running for b in r.block_ids]
@@ -171,9 +182,10 @@ def drive(config: dict, specs: list[Spec], depth: int) -> tuple[Scheduler, dict[
         while arrivals and specs[arrivals[0]].arrival <= step:
             i = arrivals.pop(0)
             sched.add_request(str(i), specs[i].prompt, specs[i].params, seed=specs[i].seed)
+        decodes = sched.stats.num_decode_tokens
         plan = sched.schedule()
         if plan is not None:
-            check_invariants(sched, plan)
+            check_invariants(sched, plan, sched.stats.num_decode_tokens - decodes)
             in_flight.append((plan, device.run(plan, [r.seed for r in sched.rows(plan)])))
         if in_flight and (len(in_flight) > depth or plan is None):
             done, tokens = in_flight.popleft()
