@@ -39,20 +39,16 @@ import yaml
 from deepinfer_jax import config as config_lib
 from deepinfer_jax.bench.workload import Workload
 from deepinfer_jax.config.loaders import read_yaml_file
+from deepinfer_jax.engine.llm import ARGUMENT_CONFIG_KEYS
 from deepinfer_jax.models import builtin
 
 __all__ = ["BenchPoint", "BenchSweep", "load_bench_sweep"]
 
 _BENCH_PREFIX = "bench."
-# Engine config fields that are Workload fields (LLM keyword arguments or sampling settings).
+# Engine config fields that are Workload fields: the LLM arguments a workload sets (the mesh sizes are not
+# workload fields yet), plus the sampling settings.
 _TO_WORKLOAD = {
-    "dtype": "dtype",
-    "kv_cache_dtype": "kv_cache_dtype",
-    "max_model_len": "max_model_len",
-    "seed": "seed",
-    "scheduler.max_num_seqs": "max_num_seqs",
-    "scheduler.max_num_batched_tokens": "max_num_batched_tokens",
-    "ops.batch_invariant": "batch_invariant",
+    **{key: arg for key, arg in ARGUMENT_CONFIG_KEYS.items() if not key.startswith("parallel.")},
     "sampling.temperature": "temperature",
     "sampling.top_p": "top_p",
     "sampling.top_k": "top_k",

@@ -42,8 +42,7 @@ DEFAULT_CPU_CACHE_MEMORY = 2 << 30
 """``kv_cache_memory`` default on CPU (2 GiB); on an accelerator 90% of the memory left after the weights."""
 
 _SUPPORTED_FAMILIES = ("deepseek_v3",)
-# Config names that LLM's own keyword arguments set; giving them as overrides too would be ambiguous.
-_ARGUMENT_KEYS = {
+ARGUMENT_CONFIG_KEYS = {
     "dtype": "dtype",
     "kv_cache_dtype": "kv_cache_dtype",
     "max_model_len": "max_model_len",
@@ -54,6 +53,8 @@ _ARGUMENT_KEYS = {
     "parallel.data_parallel_size": "data_parallel_size",
     "parallel.expert_parallel_size": "expert_parallel_size",
 }
+"""Config names that LLM's own keyword arguments set (config name -> argument); giving them as overrides too
+would be ambiguous."""
 _MASK64 = (1 << 64) - 1
 
 
@@ -185,9 +186,9 @@ class LLM:
                 raise ValueError(
                     f"engine_overrides: {key!r} changes the model; edit the model's config.json instead"
                 )
-            if key in _ARGUMENT_KEYS:
+            if key in ARGUMENT_CONFIG_KEYS:
                 raise ValueError(
-                    f"engine_overrides: {key!r} is the LLM argument {_ARGUMENT_KEYS[key]!r}; pass it as that"
+                    f"engine_overrides: {key!r} is the LLM argument {ARGUMENT_CONFIG_KEYS[key]!r}; pass it as that"
                 )
         budget = None if kv_cache_memory is None else parse_bytes(kv_cache_memory)
         cache_dtype = latent_cache_dtype(dtype, kv_cache_dtype)

@@ -25,7 +25,7 @@ Batch-invariant mode runs every per-token computation (projections, MLP/MoE, LM 
 :data:`BATCH_INVARIANT_TILE` tokens: on XLA:CPU a float32 matmul row otherwise depends on how many rows share
 the matmul, so a request's logits would change with the batch. Attention is per token already.
 
-The MLP/MoE block is the contiguous model's own (``deepseek_v3.model._mlp``), so both paths share one
+The MLP/MoE block is the contiguous model's own (``deepseek_v3.model.feed_forward``), so both paths share one
 implementation of DeepSeekMoE.
 """
 
@@ -251,7 +251,7 @@ def paged_decoder_layer(
     def finish(x: jax.Array, o_lat: jax.Array) -> jax.Array:
         out = _einsum32("thc,hvc->thv", o_lat.astype(x.dtype), attn["w_uv"])
         x = x + linear(out.reshape(1, out.shape[0], -1).astype(x.dtype), attn["o_proj"], pl.numerics)[0]
-        return x + v3_model._mlp(rms_norm(x, p["post_attn_norm"], eps=eps)[None], p["mlp"], pl)[0]
+        return x + v3_model.feed_forward(rms_norm(x, p["post_attn_norm"], eps=eps)[None], p["mlp"], pl)[0]
 
     q_lat, q_pe, entries = _rowwise(project, tile, x, cos, sin)
     cache = write_tokens(cache, layer, entries, meta.blocks, meta.offsets)

@@ -21,7 +21,7 @@ from jax import export
 import deepinfer_jax
 from deepinfer_jax.config.v3 import DeepseekV3Config
 from deepinfer_jax.models.builtin import hf_config
-from deepinfer_jax.models.common import linear, route, swiglu_mlp
+from deepinfer_jax.models.common import swiglu_mlp
 from deepinfer_jax.models.common.linear import LinearNumerics
 from deepinfer_jax.models.common.moe import Routing, moe_experts
 from deepinfer_jax.models.deepseek_v3 import model as v3_model
@@ -165,24 +165,14 @@ def test_whole_tiny_v3_moe_layer(tiny_v3, dp, ep, dtype, tol):
 
     @jax.jit
     def sharded_layer(x, p, slot_experts, placement):
-        logits = linear(x, {"weight": p["router"]}, pl.numerics, out_dtype=jnp.float32)
-        routing = route(
-            logits,
-            scoring=cfg.scoring_func,
-            top_k=cfg.num_experts_per_tok,
-            bias=p["bias"],
-            n_group=cfg.n_group,
-            topk_group=cfg.topk_group,
-            norm_topk_prob=cfg.norm_topk_prob,
-            routed_scaling_factor=cfg.routed_scaling_factor,
-        )
+        routing = v3_model.moe_routing(x, p, pl)
         y = epm.ep_moe_experts(
             x, routing, slot_experts, placement, pl.numerics, mesh, out_dtype=jnp.float32
         ).out
         return (y + swiglu_mlp(x, p["shared"], pl.numerics, out_dtype=jnp.float32)).astype(x.dtype)
 
     got = sharded_layer(x, p, slot_experts, placement)
-    want = jax.jit(v3_model._moe, static_argnums=2)(x, p, pl)
+    want = jax.jit(v3_model.feed_forward, static_argnums=2)(x, p, pl)
     assert got.dtype == want.dtype == jnp.dtype(dtype)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
 

@@ -27,6 +27,7 @@ import numpy as np
 from deepinfer_jax.config.v3 import DeepseekV3Config
 from deepinfer_jax.models.common import (
     LinearNumerics,
+    Routing,
     embed_tokens,
     linear,
     lm_head,
@@ -39,7 +40,17 @@ from deepinfer_jax.numerics.activation import CastPolicy
 from deepinfer_jax.ops.registry import select
 from deepinfer_jax.ops.rope import RopeParams, rope_cos_sin
 
-__all__ = ["V3Plan", "forward", "forward_hidden", "forward_logits", "init_cache", "mtp_forward", "plan"]
+__all__ = [
+    "V3Plan",
+    "feed_forward",
+    "forward",
+    "forward_hidden",
+    "forward_logits",
+    "init_cache",
+    "moe_routing",
+    "mtp_forward",
+    "plan",
+]
 
 Params = dict[str, Any]
 Cache = dict[str, jax.Array]
@@ -92,11 +103,11 @@ def _plan_for(params: Params, cfg: DeepseekV3Config) -> V3Plan:
 # ------------------------------------------------------------------------------------------------ blocks
 
 
-def _moe(x: jax.Array, p: Params, pl: V3Plan) -> jax.Array:
+def moe_routing(tokens: jax.Array, p: Params, pl: V3Plan) -> Routing:
+    """DeepSeekMoE routing of ``tokens [N, H]``: float32 router logits, sigmoid scores, group-limited top-k."""
     cfg = pl.cfg
-    tokens = x.reshape(-1, x.shape[-1])
     logits = linear(tokens, {"weight": p["router"]}, pl.numerics, out_dtype=jnp.float32)
-    routing = route(
+    return route(
         logits,
         scoring=cfg.scoring_func,
         top_k=cfg.num_experts_per_tok,
@@ -106,13 +117,19 @@ def _moe(x: jax.Array, p: Params, pl: V3Plan) -> jax.Array:
         norm_topk_prob=cfg.norm_topk_prob,
         routed_scaling_factor=cfg.routed_scaling_factor,
     )
+
+
+def _moe(x: jax.Array, p: Params, pl: V3Plan) -> jax.Array:
+    tokens = x.reshape(-1, x.shape[-1])
+    routing = moe_routing(tokens, p, pl)
     y = select("moe_experts")(tokens, routing, p["experts"], pl.numerics, out_dtype=jnp.float32)
     if "shared" in p:
         y = y + swiglu_mlp(tokens, p["shared"], pl.numerics, out_dtype=jnp.float32)
     return y.astype(x.dtype).reshape(x.shape)
 
 
-def _mlp(x: jax.Array, p: Params, pl: V3Plan) -> jax.Array:
+def feed_forward(x: jax.Array, p: Params, pl: V3Plan) -> jax.Array:
+    """A layer's feed-forward block: DeepSeekMoE (routed + shared experts) or, in the first layers, dense SwiGLU."""
     if "router" in p:
         return _moe(x, p, pl)
     return swiglu_mlp(x, p, pl.numerics)
@@ -175,7 +192,7 @@ def _decoder_layer(
     eps = pl.cfg.rms_norm_eps
     h, cache = _attention(rms_norm(x, p["input_norm"], eps=eps), p["attn"], pl, cos, sin, cache, positions)
     x = x + h
-    x = x + _mlp(rms_norm(x, p["post_attn_norm"], eps=eps), p["mlp"], pl)
+    x = x + feed_forward(rms_norm(x, p["post_attn_norm"], eps=eps), p["mlp"], pl)
     return x, cache
 
 
