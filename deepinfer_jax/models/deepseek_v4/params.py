@@ -189,15 +189,20 @@ def _compressor(
     out[f"{prefix}.norm.weight"] = ((width,), FLOAT_DTYPES)
 
 
-def compute_dtype(dtype: Any) -> Any:
-    """The float dtype of a precision mode; only float32 (parity mode) is implemented for V4 so far."""
+def compute_dtype(
+    dtype: Any, *, model: str = "DeepSeek-V4", production: str = "FP4/MXFP8 KV round trips"
+) -> Any:
+    """The float dtype of a precision mode; only float32 (parity mode) is implemented for V4 and V4.1 so far.
+
+    ``model`` and ``production`` name the model and what its bfloat16 mode would add, for the error message.
+    """
     name = str(getattr(dtype, "name", dtype))
     if name == "float32":
         return jnp.float32
     if name == "bfloat16":
         raise NotImplementedError(
-            "DeepSeek-V4: the bfloat16 production mode (MXFP8 activation casts, FP4/MXFP8 KV round trips) is not "
-            "implemented; load with dtype='float32'"
+            f"{model}: the bfloat16 production mode (MXFP8 activation casts, {production}) is not implemented; "
+            "load with dtype='float32'"
         )
     raise ValueError(f"dtype: {dtype!r} is not a precision mode; expected 'float32' or 'bfloat16'")
 

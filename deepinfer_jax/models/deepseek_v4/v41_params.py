@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.config.v41 import DeepseekV41Config
+from deepinfer_jax.models.deepseek_v4 import params as v4_params
 from deepinfer_jax.models.deepseek_v4.engram import CompressionMap, engram_table_sizes
 from deepinfer_jax.models.deepseek_v4.plan_v41 import V41DraftLayerPlan, V41LayerPlan, build_v41_plan
 from deepinfer_jax.numerics.elements import as_uint8
@@ -76,15 +77,9 @@ _PREFIX = re.compile(r"^model\.")
 
 def compute_dtype(dtype: Any) -> Any:
     """The float dtype of a precision mode; only float32 (parity mode) is implemented for V4.1 so far."""
-    name = str(getattr(dtype, "name", dtype))
-    if name == "float32":
-        return jnp.float32
-    if name == "bfloat16":
-        raise NotImplementedError(
-            "DeepSeek-V4.1: the bfloat16 production mode (MXFP8 activation casts, FP4/MXFP8/MXFP4 cache round "
-            "trips of spec §12.4) is not implemented; load with dtype='float32'"
-        )
-    raise ValueError(f"dtype: {dtype!r} is not a precision mode; expected 'float32' or 'bfloat16'")
+    return v4_params.compute_dtype(
+        dtype, model="DeepSeek-V4.1", production="FP4/MXFP8/MXFP4 cache round trips of spec §12.4"
+    )
 
 
 # ------------------------------------------------------------------------------------------- the manifest
