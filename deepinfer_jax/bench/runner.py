@@ -163,7 +163,7 @@ class EngineBench:
             "production_format_with_draft_layers": float(
                 cache_lib.kv_bytes_per_token(cfg, num_draft_layers=cfg.num_nextn_predict_layers or 0)
             ),
-            "engine_cache": float(spec.num_layers * spec.bytes_per_token_layer),
+            "engine_cache": float(spec.bytes_per_token),
             "engine_cache_dtype": spec.dtype,
         }
 

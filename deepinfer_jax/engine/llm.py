@@ -8,8 +8,7 @@ returns one :class:`~deepinfer_jax.engine.params.RequestOutput` per request, in 
 fails at run time (it can never fit the cache, or its logits are unusable) ends alone with
 ``finish_reason="error"``.
 
-Only the DeepSeek-V3 family runs here so far; V4 and V4.1 need their paged caches and step, and are refused
-with ``NotImplementedError`` at construction, before any weight is read.
+Each model family runs through its :class:`~deepinfer_jax.engine.paged_model.PagedModel` (:func:`paged_model_for`).
 """
 
 from __future__ import annotations
@@ -23,11 +22,12 @@ from typing import Any
 import jax
 from absl import logging
 
-from deepinfer_jax.cache.paged import latent_cache_dtype, parse_bytes, plan_latent_cache
+from deepinfer_jax.cache.paged import parse_bytes
 from deepinfer_jax.checkpoint.model_loading import DTYPES, load_model
 from deepinfer_jax.config import load_config
 from deepinfer_jax.engine import chat as _chat
 from deepinfer_jax.engine.buckets import step_buckets
+from deepinfer_jax.engine.paged_model import PagedModel, plan_memory
 from deepinfer_jax.engine.params import RequestOutput, SamplingParams, validate_request
 from deepinfer_jax.engine.runner import EngineRunner, RunStats
 from deepinfer_jax.engine.scheduler import Scheduler
@@ -36,12 +36,12 @@ from deepinfer_jax.models import builtin
 from deepinfer_jax.text.output_parser import ChatOutput
 from deepinfer_jax.text.tokenizer import Tokenizer
 
-__all__ = ["DEFAULT_CPU_CACHE_MEMORY", "LLM", "derive_seed"]
+__all__ = ["DEFAULT_CPU_CACHE_MEMORY", "LLM", "derive_seed", "paged_model_for"]
 
 DEFAULT_CPU_CACHE_MEMORY = 2 << 30
 """``kv_cache_memory`` default on CPU (2 GiB); on an accelerator 90% of the memory left after the weights."""
 
-_SUPPORTED_FAMILIES = ("deepseek_v3",)
+_SUPPORTED_FAMILIES = ("deepseek_v3", "deepseek_v4", "deepseek_v41")
 ARGUMENT_CONFIG_KEYS = {
     "dtype": "dtype",
     "kv_cache_dtype": "kv_cache_dtype",
@@ -68,6 +68,44 @@ def derive_seed(seed: int, index: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
+
+
+def check_kv_cache_dtype(family: str, dtype: str, kv_cache_dtype: str) -> str:
+    """The cache storage of ``family`` in precision ``dtype`` with the ``kv_cache_dtype`` override, or
+    ``ValueError`` naming the value and the choices."""
+    if family == "deepseek_v3":
+        from deepinfer_jax.cache.paged import latent_cache_dtype
+
+        return latent_cache_dtype(dtype, kv_cache_dtype)
+    choices = ("auto", "float32", "bfloat16")
+    if kv_cache_dtype not in choices:
+        raise ValueError(
+            f"kv_cache_dtype: {kv_cache_dtype!r} is not supported for {family}; expected one of {choices} "
+            "('bfloat16' stores the production formats: MXFP8 window, FP4/MXFP8 compressed, MXFP4 indexer keys)"
+        )
+    return dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+
+
+def paged_model_for(model: Any, *, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> PagedModel:
+    """The engine's view of a loaded model (``load_model``'s result): its caches and ragged-batch forward.
+
+    ``dtype`` is the precision mode; ``kv_cache_dtype`` (``"auto"`` follows it) picks the cache storage.
+    """
+    family = str(getattr(model.config.family, "value", model.config.family))
+    storage = check_kv_cache_dtype(family, dtype, kv_cache_dtype)
+    if family == "deepseek_v3":
+        from deepinfer_jax.engine.paged_v3 import V3PagedModel
+
+        return V3PagedModel(model.config, block_size, storage)
+    if family == "deepseek_v4":
+        from deepinfer_jax.engine.paged_v4 import V4PagedModel
+
+        return V4PagedModel.create(model, block_size=block_size, dtype=dtype, cache_dtype=storage)
+    if family == "deepseek_v41":
+        from deepinfer_jax.engine.paged_v41 import V41PagedModel
+
+        return V41PagedModel.create(model, block_size=block_size, dtype=dtype, cache_dtype=storage)
+    raise NotImplementedError(f"model: the engine has no paged caches for model family {family!r}")
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -135,7 +173,8 @@ class LLM:
       folder's
         own; a folder without one still runs token-id prompts (``text`` stays ``""``).
       dtype: ``"float32"`` (parity mode) or ``"bfloat16"`` (production mode).
-      kv_cache_dtype: ``"auto"`` (follow ``dtype``), ``"float32"`` or ``"bfloat16"``.
+      kv_cache_dtype: ``"auto"`` (follow ``dtype``), ``"float32"`` (unquantised) or ``"bfloat16"`` (V3: bf16
+        latents; V4/V4.1: the production formats of ARCHITECTURE §8).
       max_model_len: most tokens (prompt + output) per request; default the model's
         ``max_position_embeddings``, capped by what the cache holds for one request (logged when capped).
       max_num_seqs: most sequences per step and holding cache at once.
@@ -191,7 +230,6 @@ class LLM:
                     f"engine_overrides: {key!r} is the LLM argument {ARGUMENT_CONFIG_KEYS[key]!r}; pass it as that"
                 )
         budget = None if kv_cache_memory is None else parse_bytes(kv_cache_memory)
-        cache_dtype = latent_cache_dtype(dtype, kv_cache_dtype)
 
         model_dir = _resolve_model(model)
         overrides: dict[str, Any] = {
@@ -206,12 +244,10 @@ class LLM:
             **engine_overrides,
         }
         config = load_config(model_dir, overrides=overrides)
-        family = config.require_model("LLM").family
+        family = str(getattr(config.require_model("LLM").family, "value", config.model.family))
         if family not in _SUPPORTED_FAMILIES:
-            raise NotImplementedError(
-                f"model: the engine's paged caches and step exist only for {', '.join(_SUPPORTED_FAMILIES)} so "
-                f"far; {family} engine support (its compressed/window caches and state slots) is not implemented yet"
-            )
+            raise NotImplementedError(f"model: the engine has no paged caches for model family {family!r}")
+        check_kv_cache_dtype(family, dtype, kv_cache_dtype)  # before any weight is read
         self.config = config
         self.model = load_model(model_dir, dtype)
         cfg = self.model.config
@@ -224,13 +260,15 @@ class LLM:
         self.batch_invariant = bool(config.ops.batch_invariant)
 
         num_slots = max_num_seqs + 1
+        self.paged_model = paged_model_for(
+            self.model, block_size=config.cache.block_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype
+        )
         if budget is None:
             budget = _default_cache_memory(self.model.params)
-        self.memory_plan = plan_latent_cache(
-            cfg,
+        self.memory_plan = plan_memory(
+            self.paged_model.layout(),
             budget,
-            block_size=config.cache.block_size,
-            dtype=cache_dtype,
+            num_slots=num_slots,
             reserved_bytes=state_bytes(num_slots, cfg.vocab_size),
             num_blocks=config.cache.num_blocks,
         )
@@ -272,8 +310,8 @@ class LLM:
         )
         self.executor = StepExecutor(
             self.model.params,
-            cfg,
-            spec,
+            self.paged_model,
+            num_blocks=spec.num_blocks,
             num_slots=num_slots,
             max_blocks_per_seq=max_blocks,
             batch_invariant=self.batch_invariant,

@@ -1,19 +1,19 @@
-"""The device side of one engine step for DeepSeek-V3: a jitted forward over a ragged batch and a paged cache.
+"""The device side of one engine step: a jitted forward over a ragged batch and paged caches, then sampling.
 
-One call of the step (ARCHITECTURE §4) takes the parameters, the paged latent cache, the per-slot device state
+One call of the step (ARCHITECTURE §4) takes the parameters, the model's caches, the per-slot sampling state
 and the arrays of a :class:`~deepinfer_jax.engine.plan.StepPlan`, and
 
 1. **assembles** the token ids: ``-1`` entries are replaced by the token the owning slot sampled last step
    (read from the state), so step N+1 can be dispatched before step N's tokens reach the host;
-2. runs the **V3 forward** over all tokens at once -- prefill chunks and decode tokens of many sequences mixed
-   in one flat batch -- writing each token's MLA latent into the paged cache at (block table, position) and
-   attending blockwise over each sequence's blocks (op ``"paged_mla_attention"``);
+2. runs the **model** over all tokens at once -- prefill chunks and decode tokens of many sequences mixed in
+   one flat batch -- through the family's :class:`~deepinfer_jax.engine.paged_model.PagedModel` (DeepSeek-V3:
+   paged latent cache, ``engine/paged_v3.py``; V4 and V4.1: paged compressed entries plus window rings and
+   compression state in state slots), which returns the logits of each row's last token;
 3. records every input token in its slot's **token counts** (prompt positions flag the id, later positions
    count it as generated; a row starting at position 0 first clears its slot), so the penalties see exactly
    the tokens before the one being sampled, also after a recompute;
-4. computes **logits for the sampled rows only** (the last token of each sequence row) and **samples** them
-   with :func:`deepinfer_jax.sampling.sample` (temperature 0: exact argmax, lowest id on ties, no random
-   numbers);
+4. **samples** the rows with :func:`deepinfer_jax.sampling.sample` (temperature 0: exact argmax, lowest id on
+   ties, no random numbers);
 5. **advances the state**: the sampled token of each sampling row becomes its slot's ``last_token``.
 
 Cache and state are donated, so the step updates them in place and only small per-row results (tokens,
@@ -22,32 +22,23 @@ the bucket is first used (ahead of time, so a shape outside the compiled set fai
 recompiling) and counts compilations and their time.
 
 Batch-invariant mode runs every per-token computation (projections, MLP/MoE, LM head) in fixed tiles of
-:data:`BATCH_INVARIANT_TILE` tokens: on XLA:CPU a float32 matmul row otherwise depends on how many rows share
-the matmul, so a request's logits would change with the batch. Attention is per token already.
-
-The MLP/MoE block is the contiguous model's own (``deepseek_v3.model.feed_forward``), so both paths share one
-implementation of DeepSeekMoE.
+:data:`~deepinfer_jax.engine.paged_model.BATCH_INVARIANT_TILE` tokens: on XLA:CPU a float32 matmul row
+otherwise depends on how many rows share the matmul, so a request's logits would change with the batch.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deepinfer_jax.cache.paged import LatentCacheSpec, init_latent_cache, slot_mapping, write_tokens
-from deepinfer_jax.config.v3 import DeepseekV3Config
+from deepinfer_jax.cache.ragged import make_meta
+from deepinfer_jax.engine.paged_model import BATCH_INVARIANT_TILE, PagedModel
 from deepinfer_jax.engine.plan import StepPlan
-from deepinfer_jax.models.common import embed_tokens, linear, lm_head
-from deepinfer_jax.models.deepseek_v3 import model as v3_model
-from deepinfer_jax.models.deepseek_v3.attention import mla_project
-from deepinfer_jax.ops.registry import select
 from deepinfer_jax.sampling import (
     SamplingTensors,
     init_token_counts,
@@ -58,24 +49,16 @@ from deepinfer_jax.sampling import (
 
 __all__ = [
     "BATCH_INVARIANT_TILE",
-    "PagedMeta",
     "StepExecutor",
     "StepInputs",
     "StepOutput",
     "StepState",
-    "forward_paged",
     "init_state",
-    "paged_decoder_layer",
     "state_bytes",
     "step",
 ]
 
 Params = dict[str, Any]
-_HIGHEST = jax.lax.Precision.HIGHEST
-
-BATCH_INVARIANT_TILE = 8
-"""Rows per tile of every per-token computation in batch-invariant mode (a row's matmuls then always see the
-same shape, so its results are bitwise independent of the batch)."""
 
 
 class StepState(NamedTuple):
@@ -150,18 +133,6 @@ class StepOutput(NamedTuple):
     logits: jax.Array | None
 
 
-@dataclasses.dataclass(frozen=True)
-class PagedMeta:
-    """Per-step addressing shared by every layer (computed once per step)."""
-
-    blocks: jax.Array  # int32 [T] physical block of each token (num_blocks = padding, dropped)
-    offsets: jax.Array  # int32 [T] row inside that block
-    token_seq: jax.Array
-    positions: jax.Array
-    block_tables: jax.Array
-    context_lens: jax.Array
-
-
 def init_state(num_slots: int, vocab_size: int) -> StepState:
     """A fresh state for ``num_slots`` state slots (slot ids as the block/slot manager hands them out)."""
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
@@ -176,139 +147,25 @@ def state_bytes(num_slots: int, vocab_size: int) -> int:
     return num_slots * 4 * (1 + vocab_size)
 
 
-def _rowwise(fn: Callable[..., Any], tile: int | None, *args: jax.Array) -> Any:
-    """``fn(*args)`` for token-major ``args`` (leading axis ``T``), optionally in fixed tiles of rows.
-
-    With a tile, every matmul inside ``fn`` sees the same ``[tile, ...]`` shape whatever ``T`` is, so a row's
-    result does not depend on how many other tokens share the step (on XLA:CPU a float32 matmul row does
-    otherwise; batch-invariant mode). ``T`` is padded up to a multiple of the tile and the padding cut off.
-    """
-    if tile is None:
-        return fn(*args)
-    tokens = args[0].shape[0]
-    padded = -(-tokens // tile) * tile
-
-    def split(a: jax.Array) -> jax.Array:
-        a = jnp.pad(a, [(0, padded - tokens)] + [(0, 0)] * (a.ndim - 1))
-        return a.reshape(padded // tile, tile, *a.shape[1:])
-
-    out = jax.lax.map(lambda xs: fn(*xs), tuple(split(a) for a in args))
-    return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:tokens], out)
-
-
-def _einsum32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """Float32 einsum. Operands are widened first: a product of two bf16 values is exact in float32, so this
-    equals a bf16 x bf16 -> f32 dot, which XLA:CPU does not implement for batched dots."""
-    return jnp.einsum(
-        spec,
-        a.astype(jnp.float32),
-        b.astype(jnp.float32),
-        precision=_HIGHEST,
-        preferred_element_type=jnp.float32,
-    )
-
-
-def paged_decoder_layer(
-    x: jax.Array,
-    p: Params,
-    pl: v3_model.V3Plan,
-    cos: jax.Array,
-    sin: jax.Array,
-    cache: jax.Array,
-    layer: int,
-    meta: PagedMeta,
-    *,
-    tile: int | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """One V3 decoder layer over the flat batch ``x [T, H]``, its latents written to ``cache[layer]``.
-
-    The same pre-norm residual block as the contiguous-cache model: ``x + attn(norm(x))`` then
-    ``x + mlp(norm(x))`` (dense MLP or DeepSeekMoE), with the attention reading the paged cache through op
-    ``"paged_mla_attention"``. ``cos``/``sin`` are the ``[T, R/2]`` RoPE tables of the tokens' positions. With
-    ``tile``, every per-token computation runs in fixed tiles of that many tokens (:func:`_rowwise`).
-    """
-    cfg = pl.cfg
-    rms_norm = select("rms_norm")
-    eps = cfg.rms_norm_eps
-    attn = p["attn"]
-
-    def project(x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        q_nope, q_pe, c, k_pe = mla_project(
-            rms_norm(x, p["input_norm"], eps=eps)[None],
-            attn,
-            cos[None],
-            sin[None],
-            num_heads=cfg.num_attention_heads,
-            nope_dim=cfg.qk_nope_head_dim,
-            rope_dim=cfg.qk_rope_head_dim,
-            kv_rank=cfg.kv_lora_rank,
-            eps=eps,
-            numerics=pl.numerics,
-        )
-        q_lat = _einsum32("thd,hdc->thc", q_nope[0], attn["w_uk"]).astype(q_nope.dtype)
-        return q_lat, q_pe[0], jnp.concatenate([c[0], k_pe[0]], axis=-1)
-
-    def finish(x: jax.Array, o_lat: jax.Array) -> jax.Array:
-        out = _einsum32("thc,hvc->thv", o_lat.astype(x.dtype), attn["w_uv"])
-        x = x + linear(out.reshape(1, out.shape[0], -1).astype(x.dtype), attn["o_proj"], pl.numerics)[0]
-        return x + v3_model.feed_forward(rms_norm(x, p["post_attn_norm"], eps=eps)[None], p["mlp"], pl)[0]
-
-    q_lat, q_pe, entries = _rowwise(project, tile, x, cos, sin)
-    cache = write_tokens(cache, layer, entries, meta.blocks, meta.offsets)
-    o_lat = select("paged_mla_attention")(
-        q_lat,
-        q_pe,
-        cache,
-        layer,
-        meta.token_seq,
-        meta.positions,
-        meta.block_tables,
-        meta.context_lens,
-        scale=pl.softmax_scale,
-    )
-    return _rowwise(finish, tile, x, o_lat), cache
-
-
-def forward_paged(
-    params: Params,
-    cfg: DeepseekV3Config,
-    token_ids: jax.Array,
-    cache: jax.Array,
-    meta: PagedMeta,
-    *,
-    tile: int | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """The V3 backbone over a flat ragged batch: final-norm hidden states ``[T, H]`` and the updated cache.
-
-    ``token_ids [T]`` are concrete ids (the step has already resolved pending ``-1`` entries).
-    """
-    pl = v3_model.plan(cfg, jnp.dtype(params["embed"].dtype).name)
-    x = embed_tokens(params["embed"], token_ids, dtype=jnp.dtype(pl.dtype))
-    cos, sin = pl.cos_sin(meta.positions)
-    for i, layer in enumerate(params["layers"]):
-        x, cache = paged_decoder_layer(x, layer, pl, cos, sin, cache, i, meta, tile=tile)
-    return select("rms_norm")(x, params["norm"], eps=cfg.rms_norm_eps), cache
-
-
 def step(
     params: Params,
-    cache: jax.Array,
+    cache: Any,
     state: StepState,
     inputs: StepInputs,
     sampling: SamplingTensors,
     prompt_lens: jax.Array,
     *,
-    cfg: DeepseekV3Config,
+    model: PagedModel,
     num_logprobs: int = 0,
     batch_invariant: bool = False,
     return_logits: bool = False,
-) -> tuple[jax.Array, StepState, StepOutput]:
+) -> tuple[Any, StepState, StepOutput]:
     """One engine step (module docstring): ``(cache, state, StepOutput)``.
 
     ``sampling`` holds the ``S`` rows' sampling parameters (padding rows neutral); ``prompt_lens [S]`` each
     row's prompt length (positions below it are prompt tokens for the penalties). With ``batch_invariant``
     every per-token computation runs in tiles of :data:`BATCH_INVARIANT_TILE` rows and the sampler in its
-    batch-invariant mode, so a row's logits and token are bitwise the same in any batch. ``cfg``,
+    batch-invariant mode, so a row's logits and token are bitwise the same in any batch. ``model``,
     ``num_logprobs``, ``batch_invariant`` and ``return_logits`` are static under jit.
     """
     num_seqs = inputs.seq_slots.shape[0]
@@ -328,16 +185,16 @@ def step(
     token_slots = jnp.where(real, inputs.seq_slots[row], -1)
     counts = update_token_counts(counts, token_slots, token_ids, inputs.positions < prompt_lens[row])
 
-    blocks, offsets = slot_mapping(
-        inputs.block_tables, inputs.token_seq, inputs.positions, cache.shape[2], cache.shape[1]
-    )
-    meta = PagedMeta(
-        blocks, offsets, inputs.token_seq, inputs.positions, inputs.block_tables, inputs.context_lens
+    meta = make_meta(
+        inputs.token_seq,
+        inputs.positions,
+        inputs.query_start,
+        inputs.context_lens,
+        inputs.seq_slots,
+        inputs.block_tables,
     )
     tile = BATCH_INVARIANT_TILE if batch_invariant else None
-    hidden, cache = forward_paged(params, cfg, token_ids, cache, meta, tile=tile)
-    last = jnp.clip(inputs.query_start[1:] - 1, 0, num_tokens - 1)
-    logits = _rowwise(lambda h: lm_head(h, params["lm_head"]), tile, hidden[last])  # [S, V] float32
+    logits, cache = model.forward(params, cache, token_ids, meta, tile=tile)  # [S, V] float32
     row_counts = counts[jnp.clip(inputs.seq_slots, 0, num_slots - 1)]
     out = sample(logits, sampling, row_counts, num_logprobs=num_logprobs, batch_invariant=batch_invariant)
     writes = inputs.sample & (inputs.seq_slots >= 0)
@@ -369,35 +226,34 @@ class StepExecutor:
     def __init__(
         self,
         params: Params,
-        cfg: DeepseekV3Config,
-        spec: LatentCacheSpec,
+        model: PagedModel,
         *,
+        num_blocks: int,
         num_slots: int,
         max_blocks_per_seq: int,
         return_logits: bool = False,
         batch_invariant: bool = False,
         cache_sharding: Any = None,
     ) -> None:
-        if cfg.num_layers_total != spec.num_layers:
-            raise ValueError(
-                f"cache spec: num_layers = {spec.num_layers} but the model caches {cfg.num_layers_total} layers"
-            )
-        if (
-            isinstance(max_blocks_per_seq, bool)
-            or not isinstance(max_blocks_per_seq, int)
-            or max_blocks_per_seq < 1
+        if not isinstance(model, PagedModel):
+            raise TypeError(f"model: expected a PagedModel, got {type(model).__name__}")
+        for name, value, low in (
+            ("max_blocks_per_seq", max_blocks_per_seq, 1),
+            ("num_blocks", num_blocks, 2),
+            ("num_slots", num_slots, 1),
         ):
-            raise ValueError(f"max_blocks_per_seq: expected a positive int, got {max_blocks_per_seq!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
         self.params = params
-        self.cfg = cfg
-        self.spec = spec
+        self.model = model
+        self.num_blocks = num_blocks
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.cache = init_latent_cache(spec, cache_sharding)
-        self.vocab_size = int(cfg.vocab_size)
+        self.cache = model.init_cache(num_blocks, num_slots, cache_sharding)
+        self.vocab_size = int(model.vocab_size)
         self.state = init_state(num_slots, self.vocab_size)
         self._jitted = jax.jit(
             step,
-            static_argnames=("cfg", "num_logprobs", "batch_invariant", "return_logits"),
+            static_argnames=("model", "num_logprobs", "batch_invariant", "return_logits"),
             donate_argnums=(1, 2),
         )
         self._return_logits = bool(return_logits)
@@ -426,10 +282,10 @@ class StepExecutor:
                 start = time.perf_counter()
                 fn = self._jitted.lower(
                     self.params,
-                    _struct(self.cache),
+                    jax.tree.map(_struct, self.cache),
                     jax.tree.map(_struct, self.state),
                     *jax.tree.map(_struct, args),
-                    cfg=self.cfg,
+                    model=self.model,
                     num_logprobs=num_logprobs,
                     batch_invariant=self._batch_invariant,
                     return_logits=self._return_logits,

@@ -180,8 +180,8 @@ def test_still_correct_after_errors(llm, batch_outputs):
 def test_construction_errors(tmp_path):
     with pytest.raises(ValueError, match="model"):
         LLM(str(tmp_path / "missing"))
-    with pytest.raises(NotImplementedError, match="deepseek_v4"):
-        LLM("tiny-v4", dtype="float32")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM("tiny-v4", dtype="float32", kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="max_model_len"):
         _engine(max_model_len=1000)
     with pytest.raises(ValueError, match="kv_cache_memory"):

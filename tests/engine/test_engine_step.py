@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import deepinfer_jax
-from deepinfer_jax.cache.paged import LatentCacheSpec
 from deepinfer_jax.engine.buckets import step_buckets
+from deepinfer_jax.engine.paged_v3 import V3PagedModel
 from deepinfer_jax.engine.plan import StepPlan, choose_bucket
 from deepinfer_jax.engine.step import StepExecutor, StepInputs
 from deepinfer_jax.models.deepseek_v3 import model as v3_model
@@ -101,16 +101,15 @@ def _commit(rows: list[tuple[_Seq, int]], tokens: np.ndarray, plan: StepPlan) ->
 
 @pytest.fixture(scope="module")
 def executor(model):
-    spec = LatentCacheSpec(
-        num_layers=model.config.num_layers_total,
-        num_blocks=40,
-        block_size=BLOCK,
-        kv_rank=64,
-        rope_dim=32,
-        dtype="float32",
-    )
+    num_blocks = 40
+    paged = V3PagedModel(model.config, BLOCK, "float32")
     return StepExecutor(
-        model.params, model.config, spec, num_slots=9, max_blocks_per_seq=MAX_LEN // BLOCK, return_logits=True
+        model.params,
+        paged,
+        num_blocks=num_blocks,
+        num_slots=9,
+        max_blocks_per_seq=MAX_LEN // BLOCK,
+        return_logits=True,
     )
 
 
@@ -199,16 +198,15 @@ def test_paged_step_equals_contiguous_forward(model):
     logits, cache = fwd(model.params, cfg, np.array([prompt], np.int32), np.arange(len(prompt))[None], cache)
     ref = [np.asarray(logits[0, -1])]
     token = int(np.argmax(ref[0]))
-    spec = LatentCacheSpec(
-        num_layers=cfg.num_layers_total,
-        num_blocks=8,
-        block_size=BLOCK,
-        kv_rank=64,
-        rope_dim=32,
-        dtype="float32",
-    )
+    num_blocks = 8
+    paged = V3PagedModel(cfg, BLOCK, "float32")
     ex = StepExecutor(
-        model.params, cfg, spec, num_slots=2, max_blocks_per_seq=MAX_LEN // BLOCK, return_logits=True
+        model.params,
+        paged,
+        num_blocks=num_blocks,
+        num_slots=2,
+        max_blocks_per_seq=MAX_LEN // BLOCK,
+        return_logits=True,
     )
     seq = _Seq(slot=1, blocks=[7, 3, 5, 1, 2, 4], tokens=list(prompt))
     got = []
@@ -260,18 +258,12 @@ def test_batch_invariant_logits_are_bitwise_independent_of_the_batch(model):
     from deepinfer_jax.sampling import SamplingTensors
 
     cfg = model.config
-    spec = LatentCacheSpec(
-        num_layers=cfg.num_layers_total,
-        num_blocks=40,
-        block_size=BLOCK,
-        kv_rank=64,
-        rope_dim=32,
-        dtype="float32",
-    )
+    num_blocks = 40
+    paged = V3PagedModel(cfg, BLOCK, "float32")
     ex = StepExecutor(
         model.params,
-        cfg,
-        spec,
+        paged,
+        num_blocks=num_blocks,
         num_slots=9,
         max_blocks_per_seq=MAX_LEN // BLOCK,
         return_logits=True,
@@ -314,16 +306,15 @@ def test_bfloat16_mode_with_a_bf16_cache_tracks_float32(model):
     """
     bf16 = deepinfer_jax.load_model("tiny-v3", "bfloat16")
     cfg = bf16.config
-    spec = LatentCacheSpec(
-        num_layers=cfg.num_layers_total,
-        num_blocks=8,
-        block_size=BLOCK,
-        kv_rank=64,
-        rope_dim=32,
-        dtype="bfloat16",
-    )
+    num_blocks = 8
+    paged = V3PagedModel(cfg, BLOCK, "bfloat16")
     ex = StepExecutor(
-        bf16.params, cfg, spec, num_slots=2, max_blocks_per_seq=MAX_LEN // BLOCK, return_logits=True
+        bf16.params,
+        paged,
+        num_blocks=num_blocks,
+        num_slots=2,
+        max_blocks_per_seq=MAX_LEN // BLOCK,
+        return_logits=True,
     )
     assert str(ex.cache.dtype) == "bfloat16"
     prompt = PROMPTS[0]

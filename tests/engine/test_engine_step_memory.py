@@ -18,7 +18,7 @@ import pytest
 from deepinfer_jax.cache.paged import paged_mla_attention
 from deepinfer_jax.config import load_model_config
 from deepinfer_jax.config.model import ModelConfig
-from deepinfer_jax.engine.step import PagedMeta, paged_decoder_layer
+from deepinfer_jax.engine.paged_v3 import PagedMeta, paged_decoder_layer
 from deepinfer_jax.models.deepseek_v3 import model as v3_model
 from deepinfer_jax.models.deepseek_v3.weights import assemble_params, expected_tensors
 

@@ -1,0 +1,209 @@
+"""DeepSeek-V3 over the paged latent cache: the decoder layers of one engine step on a flat ragged batch.
+
+Every layer writes each token's MLA latent (``c`` and the rotated ``k_pe``) into the paged cache at the token's
+(block table, position), then attends blockwise over each sequence's blocks with op ``"paged_mla_attention"``
+(the absorbed form: queries are mapped into the latent space by ``W_UK``, outputs out of it by ``W_UV``). The
+MLP/MoE block is the contiguous model's own (``deepseek_v3.model.feed_forward``), so both paths share one
+implementation of DeepSeekMoE. In batch-invariant mode every per-token computation runs in fixed tiles
+(:func:`~deepinfer_jax.engine.paged_model.rowwise`); attention is per token already.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.cache.paged import LatentCacheSpec, init_latent_cache, slot_mapping, write_tokens
+from deepinfer_jax.cache.ragged import RaggedMeta
+from deepinfer_jax.config.v3 import DeepseekV3Config
+from deepinfer_jax.engine.paged_model import CacheLayout, PagedModel, rowwise
+from deepinfer_jax.models.common import embed_tokens, linear, lm_head
+from deepinfer_jax.models.deepseek_v3 import model as v3_model
+from deepinfer_jax.models.deepseek_v3.attention import mla_project
+from deepinfer_jax.ops.registry import select
+
+__all__ = ["PagedMeta", "V3PagedModel", "forward_logits", "forward_paged", "paged_decoder_layer"]
+
+Params = dict[str, Any]
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedMeta:
+    """Per-step addressing shared by every layer (computed once per step)."""
+
+    blocks: jax.Array  # int32 [T] physical block of each token (num_blocks = padding, dropped)
+    offsets: jax.Array  # int32 [T] row inside that block
+    token_seq: jax.Array
+    positions: jax.Array
+    block_tables: jax.Array
+    context_lens: jax.Array
+
+
+def _einsum32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """Float32 einsum. Operands are widened first: a product of two bf16 values is exact in float32, so this
+    equals a bf16 x bf16 -> f32 dot, which XLA:CPU does not implement for batched dots."""
+    return jnp.einsum(
+        spec,
+        a.astype(jnp.float32),
+        b.astype(jnp.float32),
+        precision=_HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def paged_decoder_layer(
+    x: jax.Array,
+    p: Params,
+    pl: v3_model.V3Plan,
+    cos: jax.Array,
+    sin: jax.Array,
+    cache: jax.Array,
+    layer: int,
+    meta: PagedMeta,
+    *,
+    tile: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """One V3 decoder layer over the flat batch ``x [T, H]``, its latents written to ``cache[layer]``.
+
+    The same pre-norm residual block as the contiguous-cache model: ``x + attn(norm(x))`` then
+    ``x + mlp(norm(x))`` (dense MLP or DeepSeekMoE), with the attention reading the paged cache through op
+    ``"paged_mla_attention"``. ``cos``/``sin`` are the ``[T, R/2]`` RoPE tables of the tokens' positions. With
+    ``tile``, every per-token computation runs in fixed tiles of that many tokens (:func:`_rowwise`).
+    """
+    cfg = pl.cfg
+    rms_norm = select("rms_norm")
+    eps = cfg.rms_norm_eps
+    attn = p["attn"]
+
+    def project(x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        q_nope, q_pe, c, k_pe = mla_project(
+            rms_norm(x, p["input_norm"], eps=eps)[None],
+            attn,
+            cos[None],
+            sin[None],
+            num_heads=cfg.num_attention_heads,
+            nope_dim=cfg.qk_nope_head_dim,
+            rope_dim=cfg.qk_rope_head_dim,
+            kv_rank=cfg.kv_lora_rank,
+            eps=eps,
+            numerics=pl.numerics,
+        )
+        q_lat = _einsum32("thd,hdc->thc", q_nope[0], attn["w_uk"]).astype(q_nope.dtype)
+        return q_lat, q_pe[0], jnp.concatenate([c[0], k_pe[0]], axis=-1)
+
+    def finish(x: jax.Array, o_lat: jax.Array) -> jax.Array:
+        out = _einsum32("thc,hvc->thv", o_lat.astype(x.dtype), attn["w_uv"])
+        x = x + linear(out.reshape(1, out.shape[0], -1).astype(x.dtype), attn["o_proj"], pl.numerics)[0]
+        return x + v3_model.feed_forward(rms_norm(x, p["post_attn_norm"], eps=eps)[None], p["mlp"], pl)[0]
+
+    q_lat, q_pe, entries = rowwise(project, tile, x, cos, sin)
+    cache = write_tokens(cache, layer, entries, meta.blocks, meta.offsets)
+    o_lat = select("paged_mla_attention")(
+        q_lat,
+        q_pe,
+        cache,
+        layer,
+        meta.token_seq,
+        meta.positions,
+        meta.block_tables,
+        meta.context_lens,
+        scale=pl.softmax_scale,
+    )
+    return rowwise(finish, tile, x, o_lat), cache
+
+
+def forward_paged(
+    params: Params,
+    cfg: DeepseekV3Config,
+    token_ids: jax.Array,
+    cache: jax.Array,
+    meta: PagedMeta,
+    *,
+    tile: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The V3 backbone over a flat ragged batch: final-norm hidden states ``[T, H]`` and the updated cache.
+
+    ``token_ids [T]`` are concrete ids (the step has already resolved pending ``-1`` entries).
+    """
+    pl = v3_model.plan(cfg, jnp.dtype(params["embed"].dtype).name)
+    x = embed_tokens(params["embed"], token_ids, dtype=jnp.dtype(pl.dtype))
+    cos, sin = pl.cos_sin(meta.positions)
+    for i, layer in enumerate(params["layers"]):
+        x, cache = paged_decoder_layer(x, layer, pl, cos, sin, cache, i, meta, tile=tile)
+    return select("rms_norm")(x, params["norm"], eps=cfg.rms_norm_eps), cache
+
+
+def forward_logits(
+    params: Params,
+    cfg: DeepseekV3Config,
+    token_ids: jax.Array,
+    cache: jax.Array,
+    meta: RaggedMeta,
+    *,
+    tile: int | None = None,
+    logit_index: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Float32 logits of the tokens ``logit_index`` (default each row's last token) and the updated cache."""
+    blocks, offsets = slot_mapping(
+        meta.block_tables, meta.token_seq, meta.positions, cache.shape[2], cache.shape[1]
+    )
+    paged = PagedMeta(blocks, offsets, meta.token_seq, meta.positions, meta.block_tables, meta.context_lens)
+    hidden, cache = forward_paged(params, cfg, token_ids, cache, paged, tile=tile)
+    index = meta.last_token() if logit_index is None else logit_index
+    logits = rowwise(lambda h: lm_head(h, params["lm_head"]), tile, hidden[index])
+    return logits, cache
+
+
+@dataclasses.dataclass(frozen=True)
+class V3PagedModel(PagedModel):
+    """DeepSeek-V3: one paged MLA latent cache ``[L, num_blocks, block, C + R]`` (``cache/paged.py``)."""
+
+    cfg: Any  # DeepseekV3Config (frozen, hashable)
+    block_size: int
+    dtype: str  # "float32" | "bfloat16"
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.cfg.vocab_size)
+
+    def latent_spec(self, num_blocks: int) -> LatentCacheSpec:
+        return LatentCacheSpec(
+            num_layers=int(self.cfg.num_layers_total),
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            kv_rank=int(self.cfg.kv_lora_rank),
+            rope_dim=int(self.cfg.qk_rope_head_dim),
+            dtype=self.dtype,
+        )
+
+    def layout(self) -> CacheLayout:
+        spec = self.latent_spec(2)
+        return CacheLayout(
+            block_size=self.block_size,
+            bytes_per_block=spec.bytes_per_block,
+            bytes_per_slot=0,
+            dtype=self.dtype,
+            lines=(
+                f"latent record: {spec.width} values ({spec.kv_rank} latent + {spec.rope_dim} rope) x "
+                f"{spec.dtype} = {spec.bytes_per_token_layer} B per token per layer, {spec.num_layers} layers",
+            ),
+        )
+
+    def init_cache(self, num_blocks: int, num_slots: int, sharding: Any = None) -> Any:
+        return init_latent_cache(self.latent_spec(num_blocks), sharding)
+
+    def forward(
+        self,
+        params: Any,
+        cache: Any,
+        token_ids: jax.Array,
+        meta: RaggedMeta,
+        *,
+        tile: int | None,
+        logit_index: jax.Array | None = None,
+    ) -> tuple[jax.Array, Any]:
+        return forward_logits(params, self.cfg, token_ids, cache, meta, tile=tile, logit_index=logit_index)
