@@ -191,6 +191,8 @@ class SchedulerConfig(Checked):
         yoco_truncation: V4.1 prefill truncation of the YOCO consumer half: ``"off"`` (exact model),
             ``"mask"`` or ``"compact"`` (spec/engine.md §7).
         yoco_keep_tokens: trailing tokens kept when truncation is on (must be >= sliding_window + backtracking).
+        min_bucket_fill: when a step's tokens fill less than this fraction of the compiled bucket they would be
+            padded to, its prefill chunks are cut to fill the next smaller bucket (0 = never cut; docs/engine.md).
     """
 
     _PREFIX: ClassVar[str] = "scheduler"
@@ -208,9 +210,11 @@ class SchedulerConfig(Checked):
     prefill_any_vote_interval: int = 100
     yoco_truncation: Literal["off", "mask", "compact"] = "off"
     yoco_keep_tokens: int = 0
+    min_bucket_fill: float = 0.5
 
     def _validate(self) -> None:
         check_range("scheduler.max_num_seqs", self.max_num_seqs, ge=1)
+        check_range("scheduler.min_bucket_fill", self.min_bucket_fill, ge=0.0, le=1.0)
         check_range("scheduler.max_num_batched_tokens", self.max_num_batched_tokens, ge=1)
         check_range("scheduler.lookahead_tokens", self.lookahead_tokens, ge=0)
         check_range("scheduler.decode_bucket_interval", self.decode_bucket_interval, ge=1)

@@ -307,6 +307,7 @@ class LLM:
             max_blocks_per_seq=max_blocks,
             buckets=buckets,
             tokenizer=self.tokenizer,
+            min_bucket_fill=config.scheduler.min_bucket_fill,
         )
         self.executor = StepExecutor(
             self.model.params,
@@ -400,11 +401,6 @@ class LLM:
             )
             if p.stop and self.tokenizer is None:
                 raise ValueError(f"request {i}: sampling_params.stop needs a tokenizer; this model has none")
-            if p.prompt_logprobs is not None:
-                raise ValueError(
-                    f"request {i}: sampling_params.prompt_logprobs = {p.prompt_logprobs}: prompt logprobs are not "
-                    "computed by the engine yet; pass None"
-                )
             checked.append(arr)
         request_ids = []
         for i, (arr, p, text) in enumerate(zip(checked, params, texts)):

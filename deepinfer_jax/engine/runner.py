@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -100,10 +101,42 @@ class EngineRunner:
             num_rows=rows,
         )
         wanted = max((r.params.logprobs or 0 for r in requests), default=0)
-        return self.executor.run(plan, sampling, prompt_lens, num_logprobs=logprob_variant(wanted))
+        targets, prompt_wanted = self._prompt_targets(plan, requests)
+        return self.executor.run(
+            plan,
+            sampling,
+            prompt_lens,
+            num_logprobs=logprob_variant(wanted),
+            prompt_targets=targets,
+            num_prompt_logprobs=logprob_variant(prompt_wanted),
+        )
+
+    @staticmethod
+    def _prompt_targets(plan: StepPlan, requests: Sequence[Any]) -> tuple[np.ndarray | None, int]:
+        """The next prompt token of every token whose request asked for prompt logprobs (``-1`` elsewhere), and
+        the widest ``prompt_logprobs`` asked; ``(None, 0)`` when no token of the step needs one."""
+        targets = None
+        wanted = 0
+        for i, req in enumerate(requests):
+            n = req.params.prompt_logprobs
+            if n is None:
+                continue
+            lo, hi = int(plan.query_start[i]), int(plan.query_start[i + 1])
+            pos = plan.positions[lo:hi]
+            inside = pos + 1 < req.prompt_len
+            if not inside.any():
+                continue
+            if targets is None:
+                targets = np.full(plan.padded_tokens, -1, np.int32)
+            targets[lo:hi] = np.where(
+                inside, req.prompt_token_ids[np.minimum(pos + 1, req.prompt_len - 1)], -1
+            )
+            wanted = max(wanted, n)
+        return targets, wanted
 
     def _process(self, plan: StepPlan, out: StepOutput) -> list[RequestOutput]:
         tokens = np.asarray(out.tokens)
+        prompt = None if out.prompt is None else tuple(np.asarray(a) for a in out.prompt)
         return self.scheduler.process_outputs(
             plan,
             tokens,
@@ -111,6 +144,7 @@ class EngineRunner:
             rank=np.asarray(out.rank),
             top_ids=np.asarray(out.top_ids),
             top_logprobs=np.asarray(out.top_logprobs),
+            prompt_logprobs=prompt,
         )
 
     def run(

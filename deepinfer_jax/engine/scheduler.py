@@ -118,6 +118,10 @@ class Request:
         self.text = ""
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        # vLLM's shape: one entry per prompt token, None for the first (nothing predicts it).
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None
+        )
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
@@ -173,7 +177,7 @@ class Request:
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids.tolist(),
             outputs=[completion],
-            prompt_logprobs=None,
+            prompt_logprobs=copy(self.prompt_logprobs),
             metrics=self.metrics if final else dataclasses.replace(self.metrics),
             finished=self.status is RequestStatus.FINISHED,
         )
@@ -365,11 +369,6 @@ class Scheduler:
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 f"sampling_params.stop = {list(params.stop)!r} needs a tokenizer to match text; this engine has none"
-            )
-        if params.prompt_logprobs is not None:
-            raise ValueError(
-                f"sampling_params.prompt_logprobs = {params.prompt_logprobs}: prompt logprobs are not computed by "
-                "the engine yet; pass None"
             )
         detok = None
         if self.tokenizer is not None:
@@ -624,12 +623,16 @@ class Scheduler:
         rank: Any = None,
         top_ids: Any = None,
         top_logprobs: Any = None,
+        prompt_logprobs: tuple[Any, Any, Any, Any] | None = None,
     ) -> list[RequestOutput]:
         """Take the sampled tokens of ``plan`` (the oldest unprocessed plan), apply stops, free what finished.
 
         ``sampled_tokens`` is ``[S]`` (or at least ``[num_seqs]``), one per row; rows with ``sample`` false are
         ignored. ``logprob`` / ``rank`` (``[S]``) and ``top_ids`` / ``top_logprobs`` (``[S, n]``) are the
-        sampler's logprob outputs, needed when a request asked for ``logprobs``. A token outside the vocabulary
+        sampler's logprob outputs, needed when a request asked for ``logprobs``. ``prompt_logprobs`` is the
+        step's per-token ``(logprob [T], rank [T], top_ids [T, n], top_logprobs [T, n])`` of the next prompt
+        token, needed when a row of the plan computes prompt tokens of a request that asked for
+        ``prompt_logprobs`` (a recomputed prompt keeps the entries it already has). A token outside the vocabulary
         (what a sampler reports for a row without a finite logit) ends that request with an error.
 
         Returns the requests that finished (and, with ``stream``, snapshots of those that advanced), followed by
@@ -657,6 +660,8 @@ class Scheduler:
         finished: list[RequestOutput] = []
         streamed: list[RequestOutput] = []
         for i, req in enumerate(rows):
+            if req.prompt_logprobs is not None and req.status is not RequestStatus.FINISHED:
+                self._record_prompt_logprobs(req, plan, i, prompt_logprobs)
             if not plan.sample[i]:
                 continue
             if req.status is RequestStatus.FINISHED:
@@ -751,6 +756,33 @@ class Scheduler:
                 if alt not in entry:
                     entry[alt] = Logprob(float(lps[row, j]), j + 1, self._decode_one(alt))
         return entry
+
+    def _record_prompt_logprobs(
+        self, req: Request, plan: StepPlan, row: int, arrays: tuple[Any, Any, Any, Any] | None
+    ) -> None:
+        lo, hi = int(plan.query_start[row]), int(plan.query_start[row + 1])
+        assert req.prompt_logprobs is not None
+        n = req.params.prompt_logprobs or 0
+        for t in range(lo, hi):
+            target_pos = int(plan.positions[t]) + 1
+            if target_pos >= req.prompt_len or req.prompt_logprobs[target_pos] is not None:
+                continue
+            if arrays is None:
+                raise ValueError(
+                    f"request {req.request_id!r} asked for prompt_logprobs, but process_outputs got none"
+                )
+            lp, rk, ids, lps = (np.asarray(a) for a in arrays)
+            token = int(req.prompt_token_ids[target_pos])
+            entry = {token: Logprob(float(lp[t]), int(rk[t]), self._decode_one(token))}
+            if ids.shape[-1] < n:
+                raise ValueError(
+                    f"request {req.request_id!r} asked for {n} prompt logprobs; process_outputs got {ids.shape[-1]}"
+                )
+            for j in range(n):
+                alt = int(ids[t, j])
+                if alt not in entry:
+                    entry[alt] = Logprob(float(lps[t, j]), j + 1, self._decode_one(alt))
+            req.prompt_logprobs[target_pos] = entry
 
     def _decode_one(self, token: int) -> str | None:
         if self.tokenizer is None:

@@ -49,11 +49,13 @@ from deepinfer_jax.sampling import (
 
 __all__ = [
     "BATCH_INVARIANT_TILE",
+    "PromptLogprobs",
     "StepExecutor",
     "StepInputs",
     "StepOutput",
     "StepState",
     "init_state",
+    "prompt_logprobs",
     "state_bytes",
     "step",
 ]
@@ -123,6 +125,8 @@ class StepOutput(NamedTuple):
       top_ids, top_logprobs: ``[S, n]`` the ``n`` most probable alternatives (``n = num_logprobs``).
       logits: float32 ``[S, V]`` the sampled rows' logits, only when the executor was built with
         ``return_logits=True`` (tests and debugging); otherwise ``None``.
+      prompt: per-token prompt logprobs (:class:`PromptLogprobs`) when the step was run with
+        ``num_prompt_logprobs >= 0``; otherwise ``None``.
     """
 
     tokens: jax.Array
@@ -131,6 +135,44 @@ class StepOutput(NamedTuple):
     top_ids: jax.Array
     top_logprobs: jax.Array
     logits: jax.Array | None
+    prompt: PromptLogprobs | None = None
+
+
+class PromptLogprobs(NamedTuple):
+    """Log-probabilities of the *next* prompt token at every token of a step (prompt logprobs).
+
+    Token ``t`` of the step, at position ``p``, predicts position ``p + 1``. The host names the prompt token
+    at ``p + 1`` in ``prompt_targets [T]`` (``-1`` where there is none: outputs, the prompt's last token,
+    requests that did not ask); this reports, from the model's raw logits (log-softmax before any penalty,
+    mask or temperature, as vLLM reports prompt logprobs):
+
+    Attributes:
+      logprob, rank: ``[T]`` the target's log-probability and 1-based rank (0 where there is no target).
+      top_ids, top_logprobs: ``[T, n]`` the ``n`` most probable tokens (ties: lower id first).
+    """
+
+    logprob: jax.Array
+    rank: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+def prompt_logprobs(logits: jax.Array, targets: jax.Array, num_top: int) -> PromptLogprobs:
+    """:class:`PromptLogprobs` of float32 ``logits [T, V]`` for ``targets [T]`` (``-1`` = none)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    has = targets >= 0
+    safe = jnp.where(has, targets, 0)
+    target_lp = jnp.take_along_axis(logp, safe[:, None], axis=1)[:, 0]
+    rank = 1 + jnp.sum(logp > target_lp[:, None], axis=-1)
+    top_lp, top_ids = (
+        jax.lax.top_k(logp, num_top) if num_top else (logp[:, :0], jnp.zeros((logp.shape[0], 0)))
+    )
+    return PromptLogprobs(
+        jnp.where(has, target_lp, 0.0),
+        jnp.where(has, rank, 0).astype(jnp.int32),
+        top_ids.astype(jnp.int32),
+        top_lp,
+    )
 
 
 def init_state(num_slots: int, vocab_size: int) -> StepState:
@@ -154,9 +196,11 @@ def step(
     inputs: StepInputs,
     sampling: SamplingTensors,
     prompt_lens: jax.Array,
+    prompt_targets: jax.Array | None = None,
     *,
     model: PagedModel,
     num_logprobs: int = 0,
+    num_prompt_logprobs: int = -1,
     batch_invariant: bool = False,
     return_logits: bool = False,
 ) -> tuple[Any, StepState, StepOutput]:
@@ -165,8 +209,10 @@ def step(
     ``sampling`` holds the ``S`` rows' sampling parameters (padding rows neutral); ``prompt_lens [S]`` each
     row's prompt length (positions below it are prompt tokens for the penalties). With ``batch_invariant``
     every per-token computation runs in tiles of :data:`BATCH_INVARIANT_TILE` rows and the sampler in its
-    batch-invariant mode, so a row's logits and token are bitwise the same in any batch. ``model``,
-    ``num_logprobs``, ``batch_invariant`` and ``return_logits`` are static under jit.
+    batch-invariant mode, so a row's logits and token are bitwise the same in any batch. With
+    ``num_prompt_logprobs >= 0`` the model returns the logits of every token and the step reports
+    :class:`PromptLogprobs` for ``prompt_targets [T]`` with that many alternatives. ``model``,
+    ``num_logprobs``, ``num_prompt_logprobs``, ``batch_invariant`` and ``return_logits`` are static under jit.
     """
     num_seqs = inputs.seq_slots.shape[0]
     num_tokens = inputs.token_ids.shape[0]
@@ -194,7 +240,16 @@ def step(
         inputs.block_tables,
     )
     tile = BATCH_INVARIANT_TILE if batch_invariant else None
-    logits, cache = model.forward(params, cache, token_ids, meta, tile=tile)  # [S, V] float32
+    prompt_out = None
+    if num_prompt_logprobs >= 0:
+        if prompt_targets is None:
+            raise ValueError("step: num_prompt_logprobs >= 0 needs prompt_targets [T]")
+        every = jnp.arange(num_tokens, dtype=jnp.int32)
+        all_logits, cache = model.forward(params, cache, token_ids, meta, tile=tile, logit_index=every)
+        prompt_out = prompt_logprobs(all_logits, prompt_targets, num_prompt_logprobs)
+        logits = all_logits[meta.last_token()]
+    else:
+        logits, cache = model.forward(params, cache, token_ids, meta, tile=tile)  # [S, V] float32
     row_counts = counts[jnp.clip(inputs.seq_slots, 0, num_slots - 1)]
     out = sample(logits, sampling, row_counts, num_logprobs=num_logprobs, batch_invariant=batch_invariant)
     writes = inputs.sample & (inputs.seq_slots >= 0)
@@ -202,7 +257,13 @@ def step(
     last_tokens = state.last_tokens.at[target].set(jnp.where(out.ok, out.tokens, 0), mode="drop")
     tokens = jnp.where(out.ok, out.tokens, -1).astype(jnp.int32)
     result = StepOutput(
-        tokens, out.logprob, out.rank, out.top_ids, out.top_logprobs, logits if return_logits else None
+        tokens,
+        out.logprob,
+        out.rank,
+        out.top_ids,
+        out.top_logprobs,
+        logits if return_logits else None,
+        prompt_out,
     )
     return cache, StepState(last_tokens, counts), result
 
@@ -253,7 +314,13 @@ class StepExecutor:
         self.state = init_state(num_slots, self.vocab_size)
         self._jitted = jax.jit(
             step,
-            static_argnames=("model", "num_logprobs", "batch_invariant", "return_logits"),
+            static_argnames=(
+                "model",
+                "num_logprobs",
+                "num_prompt_logprobs",
+                "batch_invariant",
+                "return_logits",
+            ),
             donate_argnums=(1, 2),
         )
         self._return_logits = bool(return_logits)
@@ -268,13 +335,14 @@ class StepExecutor:
         """The ``(T, S)`` buckets compiled so far (a bucket may have variants by mask width and logprobs)."""
         return tuple(sorted({key[:2] for key in self._compiled}))
 
-    def _executable(self, args: tuple[Any, ...], num_logprobs: int) -> Any:
+    def _executable(self, args: tuple[Any, ...], num_logprobs: int, num_prompt_logprobs: int = -1) -> Any:
         inputs, sampling = args[0], args[1]
         key = (
             int(inputs.token_ids.shape[0]),
             int(inputs.seq_slots.shape[0]),
             int(sampling.masked_ids.shape[1]),
             num_logprobs,
+            num_prompt_logprobs,
         )
         with self._lock:
             fn = self._compiled.get(key)
@@ -287,6 +355,7 @@ class StepExecutor:
                     *jax.tree.map(_struct, args),
                     model=self.model,
                     num_logprobs=num_logprobs,
+                    num_prompt_logprobs=num_prompt_logprobs,
                     batch_invariant=self._batch_invariant,
                     return_logits=self._return_logits,
                 ).compile()
@@ -302,12 +371,16 @@ class StepExecutor:
         prompt_lens: np.ndarray | None = None,
         *,
         num_logprobs: int = 0,
+        prompt_targets: np.ndarray | None = None,
+        num_prompt_logprobs: int = 0,
     ) -> StepOutput:
         """Dispatch one step for ``plan``; returns its (not yet materialised) outputs.
 
         ``sampling`` defaults to greedy rows; ``prompt_lens`` (int32 ``[S]``) defaults to the context lengths
         (every input token counts as prompt for the penalties). ``num_logprobs`` is the number of top
         alternatives to report (each distinct value is its own compiled variant: round it to a few values).
+        ``prompt_targets`` (int32 ``[T]``, the next prompt token of each token or ``-1``) turns on prompt
+        logprobs with ``num_prompt_logprobs`` alternatives (its own compiled variant of the bucket).
         """
         num_rows = plan.padded_seqs
         if sampling is None:
@@ -319,8 +392,17 @@ class StepExecutor:
         prompt_lens = np.asarray(prompt_lens, np.int32)
         if prompt_lens.shape != (num_rows,):
             raise ValueError(f"prompt_lens: shape {prompt_lens.shape}, expected ({num_rows},)")
-        args = (StepInputs.from_plan(plan, self.max_blocks_per_seq), sampling, prompt_lens)
-        fn = self._executable(args, int(num_logprobs))
+        args: tuple[Any, ...] = (StepInputs.from_plan(plan, self.max_blocks_per_seq), sampling, prompt_lens)
+        variant = -1
+        if prompt_targets is not None:
+            prompt_targets = np.asarray(prompt_targets, np.int32)
+            if prompt_targets.shape != (plan.padded_tokens,):
+                raise ValueError(
+                    f"prompt_targets: shape {prompt_targets.shape}, expected ({plan.padded_tokens},)"
+                )
+            args = (*args, prompt_targets)
+            variant = int(num_prompt_logprobs)
+        fn = self._executable(args, int(num_logprobs), variant)
         self.cache, self.state, out = fn(self.params, self.cache, self.state, *args)
         return out
 

@@ -238,3 +238,54 @@ def test_stop_token_and_min_tokens_through_the_engine(llm):
     )[0].outputs[0]
     assert len(late.token_ids) >= first + 2 and stop_id not in late.token_ids[: first + 1]
     assert late.token_ids[:first] == base[:first]  # identical until the mask first matters
+
+
+def test_prompt_logprobs_equal_the_full_forward(llm, reference_model):
+    """``prompt_logprobs``: vLLM's shape (None, then one dict per prompt token) with the log-softmax of the full
+    forward's logits at the previous position, across prefill chunks (a 150-token prompt with 64-token steps)
+    and beside other requests. Tolerance 1e-4: float32 paged vs contiguous attention differ by ~1e-6 in the
+    logits (the V3 engine tests), amplified at most 2x by the log-softmax."""
+    rng = np.random.default_rng(5)
+    long = rng.integers(2, 512, 150).tolist()
+    short = rng.integers(2, 512, 7).tolist()
+    asked = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    outs = llm.generate(
+        prompt_token_ids=[long, short, short],
+        sampling_params=[
+            asked,
+            SamplingParams(max_tokens=3),
+            SamplingParams(max_tokens=2, prompt_logprobs=0),
+        ],
+        use_tqdm=False,
+    )
+    assert outs[1].prompt_logprobs is None
+    for out, prompt, n in ((outs[0], long, 3), (outs[2], short, 0)):
+        plp = out.prompt_logprobs
+        assert plp is not None and len(plp) == len(prompt) and plp[0] is None
+        ids = np.zeros((1, 160), np.int32)
+        ids[0, : len(prompt)] = prompt
+        logits = np.asarray(reference_model.logits(ids)[0, : len(prompt)], np.float64)
+        ref = logits - logits.max(-1, keepdims=True)
+        ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+        for i in range(1, len(prompt)):
+            entry = plp[i]
+            token = prompt[i]
+            assert token in entry, i
+            np.testing.assert_allclose(
+                entry[token].logprob, ref[i - 1, token], atol=1e-4, err_msg=f"position {i}"
+            )
+            row, target = ref[i - 1], ref[i - 1, token]
+            # rank = 1 + tokens strictly more probable; near-ties (within the tolerance) may go either way
+            assert 1 + np.sum(row > target + 1e-4) <= entry[token].rank <= 1 + np.sum(row > target - 1e-4), i
+            order = np.argsort(-row, kind="stable")
+            clear = [t for t in order[:n] if row[t] - 1e-4 > row[order[n]]] if n else []
+            assert set(clear) <= set(entry), i  # the n most probable (not tied at the cut) are reported
+            assert len(entry) <= n + 1
+
+
+def test_min_bucket_fill_reaches_the_scheduler_and_is_validated():
+    from deepinfer_jax.config.errors import ConfigValueError
+
+    assert _engine(**{"scheduler.min_bucket_fill": 0.0}).scheduler.min_bucket_fill == 0.0
+    with pytest.raises(ConfigValueError, match=r"scheduler\.min_bucket_fill"):
+        _engine(**{"scheduler.min_bucket_fill": 1.5})

@@ -202,8 +202,6 @@ def test_add_request_refuses_bad_input_before_queuing() -> None:
         sched.add_request("a", [1, 2], SamplingParams(max_tokens=7), seed=0)
     with pytest.raises(ValueError, match="needs a tokenizer"):
         sched.add_request("a", [1], SamplingParams(max_tokens=2, stop="x"), seed=0)
-    with pytest.raises(ValueError, match="prompt logprobs are not computed"):
-        sched.add_request("a", [1], SamplingParams(max_tokens=2, prompt_logprobs=1), seed=0)
     with pytest.raises(ValueError, match=r"seed = -1 must be in \[0, 2\*\*64\)"):
         sched.add_request("a", [1], SamplingParams(max_tokens=2), seed=-1)
     with pytest.raises(TypeError, match="seed must be an int, got float"):
