@@ -44,6 +44,7 @@ from deepinfer_jax.sampling import (
     init_token_counts,
     reset_token_counts,
     sample,
+    token_logprobs,
     update_token_counts,
 )
 
@@ -157,21 +158,20 @@ class PromptLogprobs(NamedTuple):
     top_logprobs: jax.Array
 
 
-def prompt_logprobs(logits: jax.Array, targets: jax.Array, num_top: int) -> PromptLogprobs:
-    """:class:`PromptLogprobs` of float32 ``logits [T, V]`` for ``targets [T]`` (``-1`` = none)."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+def prompt_logprobs(
+    logits: jax.Array, targets: jax.Array, num_top: int, *, batch_invariant: bool = False
+) -> PromptLogprobs:
+    """:class:`PromptLogprobs` of float32 ``logits [T, V]`` for ``targets [T]`` (``-1`` = none), through the
+    sampler's :func:`~deepinfer_jax.sampling.token_logprobs` (ranks and ties as for sampled tokens)."""
     has = targets >= 0
-    safe = jnp.where(has, targets, 0)
-    target_lp = jnp.take_along_axis(logp, safe[:, None], axis=1)[:, 0]
-    rank = 1 + jnp.sum(logp > target_lp[:, None], axis=-1)
-    top_lp, top_ids = (
-        jax.lax.top_k(logp, num_top) if num_top else (logp[:, :0], jnp.zeros((logp.shape[0], 0)))
+    lp = token_logprobs(
+        logits, jnp.where(has, targets, 0), num_logprobs=num_top, batch_invariant=batch_invariant
     )
     return PromptLogprobs(
-        jnp.where(has, target_lp, 0.0),
-        jnp.where(has, rank, 0).astype(jnp.int32),
-        top_ids.astype(jnp.int32),
-        top_lp,
+        jnp.where(has, lp.logprob, 0.0),
+        jnp.where(has, lp.rank, 0).astype(jnp.int32),
+        lp.top_ids.astype(jnp.int32),
+        lp.top_logprobs,
     )
 
 
@@ -246,7 +246,9 @@ def step(
             raise ValueError("step: num_prompt_logprobs >= 0 needs prompt_targets [T]")
         every = jnp.arange(num_tokens, dtype=jnp.int32)
         all_logits, cache = model.forward(params, cache, token_ids, meta, tile=tile, logit_index=every)
-        prompt_out = prompt_logprobs(all_logits, prompt_targets, num_prompt_logprobs)
+        prompt_out = prompt_logprobs(
+            all_logits, prompt_targets, num_prompt_logprobs, batch_invariant=batch_invariant
+        )
         logits = all_logits[meta.last_token()]
     else:
         logits, cache = model.forward(params, cache, token_ids, meta, tile=tile)  # [S, V] float32
