@@ -29,19 +29,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from deepinfer_jax.cache.plan import CacheLayout
 from deepinfer_jax.cache.record_bytes import record_bytes
 from deepinfer_jax.ops.registry import register_op
 
 __all__ = [
     "LATENT_CACHE_DTYPES",
     "LatentCacheSpec",
-    "MemoryPlan",
     "dense_context",
     "init_latent_cache",
     "latent_cache_dtype",
+    "latent_cache_layout",
     "paged_mla_attention",
     "parse_bytes",
-    "plan_latent_cache",
     "read_tokens",
     "slot_mapping",
     "write_tokens",
@@ -168,56 +168,13 @@ def _bytes_per_token_layer(model_config: Any, dtype: str) -> int:
     return width * 4
 
 
-@dataclasses.dataclass(frozen=True)
-class MemoryPlan:
-    """The outcome of :func:`plan_latent_cache`: the spec and the numbers behind it."""
+def latent_cache_layout(model_config: Any, *, block_size: int, dtype: str) -> CacheLayout:
+    """The :class:`~deepinfer_jax.cache.plan.CacheLayout` of a V3 model's paged latent cache.
 
-    spec: LatentCacheSpec
-    budget_bytes: int
-    reserved_bytes: int
-    bytes_per_token_layer: int
-
-    @property
-    def unused_bytes(self) -> int:
-        return self.budget_bytes - self.reserved_bytes - self.spec.total_bytes
-
-    def describe(self) -> str:
-        """A multi-line human-readable breakdown (printed when an engine starts)."""
-        s = self.spec
-        mib = 1 << 20
-        lines = [
-            f"KV cache plan: budget {self.budget_bytes / mib:.1f} MiB",
-            f"  per-sequence state and other reservations: {self.reserved_bytes / mib:.2f} MiB",
-            f"  latent record: {s.width} values ({s.kv_rank} latent + {s.rope_dim} rope) x {s.dtype} = "
-            f"{self.bytes_per_token_layer} B per token per layer",
-            f"  block: {s.block_size} tokens x {s.num_layers} layers = {s.bytes_per_block} B",
-            f"  blocks: {s.num_blocks} ({s.num_blocks - 1} usable + reserved block 0) = "
-            f"{s.total_bytes / mib:.2f} MiB, {s.usable_tokens} tokens",
-            f"  unused: {self.unused_bytes / mib:.2f} MiB",
-        ]
-        return "\n".join(lines)
-
-
-def plan_latent_cache(
-    model_config: Any,
-    budget_bytes: int,
-    *,
-    block_size: int,
-    dtype: str,
-    reserved_bytes: int = 0,
-    num_blocks: int | None = None,
-) -> MemoryPlan:
-    """Size the paged latent cache of a V3 model from a byte budget.
-
-    ``reserved_bytes`` (per-sequence state, other fixed buffers) come off the budget first; the rest is split
-    into whole blocks of ``block_size`` tokens across all cached layers (``num_layers_total`` of the config:
-    the MTP layers keep a cache too). ``num_blocks`` fixes the count instead (it must still fit the budget).
-    At least two blocks (the reserved one and one usable) must fit, else ``ValueError``.
+    Every cached layer (``num_layers_total`` of the config: the MTP layers keep a cache too) stores one latent
+    record per token; V3 has no per-sequence state slots. :func:`~deepinfer_jax.cache.plan.plan_memory` sizes
+    the block pool from it.
     """
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
-        raise ValueError(f"kv_cache_memory: expected a positive number of bytes, got {budget_bytes!r}")
-    if isinstance(reserved_bytes, bool) or not isinstance(reserved_bytes, int) or reserved_bytes < 0:
-        raise ValueError(f"reserved_bytes: expected an int >= 0, got {reserved_bytes!r}")
     if dtype not in LATENT_CACHE_DTYPES:
         raise ValueError(
             f"dtype: {dtype!r} is not a latent cache dtype; expected one of {LATENT_CACHE_DTYPES}"
@@ -226,31 +183,17 @@ def plan_latent_cache(
         raise ValueError(f"cache.block_size: expected a positive int, got {block_size!r}")
     per_token = _bytes_per_token_layer(model_config, dtype)
     layers = int(model_config.num_layers_total)
-    per_block = per_token * block_size * layers
-    available = budget_bytes - reserved_bytes
-    fitting = available // per_block if available > 0 else 0
-    if num_blocks is None:
-        num_blocks = int(fitting)
-    elif num_blocks > fitting:
-        raise ValueError(
-            f"cache.num_blocks = {num_blocks}: needs {num_blocks * per_block} B but kv_cache_memory leaves "
-            f"{available} B after {reserved_bytes} B of state"
-        )
-    if num_blocks < 2:
-        raise ValueError(
-            f"kv_cache_memory = {budget_bytes} B: too small for the paged cache; one block of {block_size} tokens "
-            f"over {layers} layers takes {per_block} B, at least 2 blocks (one reserved) plus {reserved_bytes} B "
-            f"of state are needed ({2 * per_block + reserved_bytes} B)"
-        )
-    spec = LatentCacheSpec(
-        num_layers=layers,
-        num_blocks=num_blocks,
+    width = model_config.kv_lora_rank + model_config.qk_rope_head_dim
+    return CacheLayout(
         block_size=block_size,
-        kv_rank=int(model_config.kv_lora_rank),
-        rope_dim=int(model_config.qk_rope_head_dim),
+        bytes_per_block=per_token * block_size * layers,
+        bytes_per_slot=0,
         dtype=dtype,
+        lines=(
+            f"latent record: {width} values ({model_config.kv_lora_rank} latent + "
+            f"{model_config.qk_rope_head_dim} rope) x {dtype} = {per_token} B per token per layer, {layers} layers",
+        ),
     )
-    return MemoryPlan(spec, budget_bytes, reserved_bytes, per_token)
 
 
 def init_latent_cache(spec: LatentCacheSpec, sharding: Any = None) -> jax.Array:

@@ -16,7 +16,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from deepinfer_jax.cache.paged import LatentCacheSpec, init_latent_cache, slot_mapping, write_tokens
+from deepinfer_jax.cache.paged import (
+    LatentCacheSpec,
+    init_latent_cache,
+    latent_cache_layout,
+    slot_mapping,
+    write_tokens,
+)
 from deepinfer_jax.cache.ragged import RaggedMeta
 from deepinfer_jax.config.v3 import DeepseekV3Config
 from deepinfer_jax.engine.paged_model import CacheLayout, PagedModel, rowwise
@@ -181,17 +187,7 @@ class V3PagedModel(PagedModel):
         )
 
     def layout(self) -> CacheLayout:
-        spec = self.latent_spec(2)
-        return CacheLayout(
-            block_size=self.block_size,
-            bytes_per_block=spec.bytes_per_block,
-            bytes_per_slot=0,
-            dtype=self.dtype,
-            lines=(
-                f"latent record: {spec.width} values ({spec.kv_rank} latent + {spec.rope_dim} rope) x "
-                f"{spec.dtype} = {spec.bytes_per_token_layer} B per token per layer, {spec.num_layers} layers",
-            ),
-        )
+        return latent_cache_layout(self.cfg, block_size=self.block_size, dtype=self.dtype)
 
     def init_cache(self, num_blocks: int, num_slots: int, sharding: Any = None) -> Any:
         return init_latent_cache(self.latent_spec(num_blocks), sharding)

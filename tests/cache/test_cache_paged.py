@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer_jax.cache import paged
+from deepinfer_jax.cache.plan import CacheLayout, plan_memory
 from deepinfer_jax.config import load_model_config
 from deepinfer_jax.ops.registry import select
 
@@ -66,18 +67,21 @@ def test_latent_cache_dtype():
         paged.latent_cache_dtype("float16")
 
 
+def _plan(cfg, budget, *, block_size, dtype, reserved_bytes=0, num_blocks=None):
+    layout = paged.latent_cache_layout(cfg, block_size=block_size, dtype=dtype)
+    return plan_memory(layout, budget, num_slots=1, reserved_bytes=reserved_bytes, num_blocks=num_blocks)
+
+
 def test_plan_tiny_float32_by_hand(tiny_cfg):
     # tiny-v3: 3 layers + 1 MTP layer, latent 64 + rope 32 = 96 float32 values = 384 B per token and layer.
-    plan = paged.plan_latent_cache(tiny_cfg, 1_000_000, block_size=16, dtype="float32", reserved_bytes=10_000)
+    plan = _plan(tiny_cfg, 1_000_000, block_size=16, dtype="float32", reserved_bytes=10_000)
     per_block = 4 * 16 * 384
-    assert plan.bytes_per_token_layer == 384
-    assert plan.spec.bytes_per_block == per_block
+    assert plan.spec.bytes_per_block == per_block and plan.spec.layout.bytes_per_slot == 0
     assert plan.spec.num_blocks == (1_000_000 - 10_000) // per_block
-    assert plan.spec.shape == (4, plan.spec.num_blocks, 16, 96)
     assert plan.unused_bytes == 1_000_000 - 10_000 - plan.spec.num_blocks * per_block
     assert plan.spec.usable_tokens == (plan.spec.num_blocks - 1) * 16
     text = plan.describe()
-    assert f"{per_block} B" in text and f"{plan.spec.num_blocks} (" in text
+    assert f"{per_block} B" in text and f"{plan.spec.num_blocks} (" in text and "384 B per token" in text
 
 
 def test_plan_bf16_uses_the_record_size():
@@ -85,18 +89,25 @@ def test_plan_bf16_uses_the_record_size():
     cfg = types.SimpleNamespace(
         family="deepseek_v3", kv_lora_rank=512, qk_rope_head_dim=64, num_hidden_layers=61, num_layers_total=62
     )
-    plan = paged.plan_latent_cache(cfg, 2 << 30, block_size=128, dtype="bfloat16")
-    assert plan.bytes_per_token_layer == 1152
+    plan = _plan(cfg, 2 << 30, block_size=128, dtype="bfloat16")
     assert plan.spec.bytes_per_block == 1152 * 128 * 62
     assert plan.spec.num_blocks == (2 << 30) // (1152 * 128 * 62)
 
 
+def test_plan_counts_state_slots():
+    layout = CacheLayout(block_size=4, bytes_per_block=100, bytes_per_slot=30, dtype="float32")
+    plan = plan_memory(layout, 1000, num_slots=5, reserved_bytes=50)
+    assert plan.spec.num_blocks == (1000 - 50 - 150) // 100 and plan.spec.slot_bytes == 150
+    with pytest.raises(ValueError, match=r"5 x 30 B"):
+        plan_memory(layout, 340, num_slots=5)
+
+
 def test_plan_refuses_small_budgets(tiny_cfg):
     with pytest.raises(ValueError, match="kv_cache_memory"):
-        paged.plan_latent_cache(tiny_cfg, 4 * 16 * 384 + 5, block_size=16, dtype="float32")
+        _plan(tiny_cfg, 4 * 16 * 384 + 5, block_size=16, dtype="float32")
     with pytest.raises(ValueError, match=r"cache\.num_blocks = 100"):
-        paged.plan_latent_cache(tiny_cfg, 10 * 4 * 16 * 384, block_size=16, dtype="float32", num_blocks=100)
-    fixed = paged.plan_latent_cache(tiny_cfg, 10 * 4 * 16 * 384, block_size=16, dtype="float32", num_blocks=5)
+        _plan(tiny_cfg, 10 * 4 * 16 * 384, block_size=16, dtype="float32", num_blocks=100)
+    fixed = _plan(tiny_cfg, 10 * 4 * 16 * 384, block_size=16, dtype="float32", num_blocks=5)
     assert fixed.spec.num_blocks == 5
     with pytest.raises(ValueError, match="num_blocks"):
         paged.LatentCacheSpec(
