@@ -9,7 +9,9 @@ A :class:`ModelFamily` bundles the family-specific functions behind one interfac
   (stacking experts, folding MLA's up projections, keeping FP8 weights FP8, casting to the precision mode);
 * ``init_params(cfg, seed, dtype)`` -- deterministic random parameters of any config of the family;
 * ``forward_logits(params, cfg, input_ids)`` -- the full forward without cache, ``[B, S] -> [B, S, V]``
-  float32 (``cfg`` static under ``jax.jit``).
+  float32 (``cfg`` static under ``jax.jit``);
+* ``logical_axes(params)`` -- the logical axis names of every parameter leaf (a pytree of tuples), which
+  ``parallel/`` maps to mesh axes to lay the parameters out over a device mesh.
 
 Families live in their own modules, each exposing ``FAMILY``; :func:`get_family` imports them lazily from a
 table keyed by the HF ``model_type``, so importing this module costs nothing and a family under construction
@@ -36,6 +38,7 @@ class ModelFamily:
     assemble_params: Callable[[Any, Mapping[str, Any], str], Any]
     init_params: Callable[[Any, int, str], Any]
     forward_logits: Callable[[Any, Any, Any], Any]
+    logical_axes: Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -45,6 +48,10 @@ class ModelFamily:
         for field in ("expected_tensors", "assemble_params", "init_params", "forward_logits"):
             if not callable(getattr(self, field)):
                 raise TypeError(f"ModelFamily.{field}: expected a callable, got {getattr(self, field)!r}")
+        if self.logical_axes is not None and not callable(self.logical_axes):
+            raise TypeError(
+                f"ModelFamily.logical_axes: expected a callable or None, got {self.logical_axes!r}"
+            )
 
 
 FAMILY_MODULES: dict[str, str] = {

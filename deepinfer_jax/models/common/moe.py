@@ -24,7 +24,7 @@ only through the production activation rounding.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -36,7 +36,15 @@ from deepinfer_jax.models.common.mlp import swiglu
 from deepinfer_jax.ops.moe_kernels import register_moe_experts_backends
 from deepinfer_jax.ops.registry import register_op
 
-__all__ = ["SCORING_FUNCS", "Routing", "moe_experts", "route", "router_scores"]
+__all__ = [
+    "SCORING_FUNCS",
+    "ExpertLayoutImpl",
+    "Routing",
+    "moe_experts",
+    "register_expert_layout",
+    "route",
+    "router_scores",
+]
 
 ScoringFunc = Literal["sigmoid", "sqrtsoftplus"]
 SCORING_FUNCS: tuple[str, ...] = ("sigmoid", "sqrtsoftplus")
@@ -139,6 +147,29 @@ def route(
     return Routing(ids=ids, weights=weights)
 
 
+ExpertLayoutImpl = Callable[..., jax.Array]
+"""An implementation of op ``moe_experts`` for one container type of expert weights (same signature as the op)."""
+
+_EXPERT_LAYOUTS: dict[type, ExpertLayoutImpl] = {}
+
+
+def register_expert_layout(layout: type, impl: ExpertLayoutImpl) -> None:
+    """Make op ``moe_experts`` hand experts of container type ``layout`` to ``impl``.
+
+    Model code passes ``p["experts"]`` to the op without looking inside. A layer whose routed experts were laid
+    out in another way (e.g. :class:`deepinfer_jax.parallel.SlotExperts`: physical slots sharded over an
+    expert-parallel mesh, plus the slot placement) arrives as a container of its own type, and the op forwards
+    the call, unchanged, to the implementation registered for that type. Layers above ``models`` (``parallel``)
+    register their layouts at import, so the dependency direction stays ``models <- parallel``. Registering a
+    type twice replaces its implementation (module reloads re-register).
+    """
+    if not isinstance(layout, type):
+        raise TypeError(f"register_expert_layout: layout must be a class, got {type(layout).__name__}")
+    if not callable(impl):
+        raise TypeError(f"register_expert_layout: impl must be callable, got {type(impl).__name__}")
+    _EXPERT_LAYOUTS[layout] = impl
+
+
 def moe_experts(
     x: jax.Array,
     routing: Routing,
@@ -156,7 +187,21 @@ def moe_experts(
     :mod:`~deepinfer_jax.models.common.linear`. Each of the ``T·k`` (token, expert) rows is computed once, by
     its expert's GEMM only; the weighted sum over a token's ``k`` rows runs in float32 and is rounded once to
     ``out_dtype`` (default ``x.dtype``). Rows with an id outside ``[0, E)`` contribute nothing.
+
+    ``experts`` of a type given to :func:`register_expert_layout` (expert-parallel slot layouts) go to that
+    type's implementation instead, with the same arguments.
     """
+    layout_impl = _EXPERT_LAYOUTS.get(type(experts))
+    if layout_impl is not None:
+        return layout_impl(
+            x,
+            routing,
+            experts,
+            numerics,
+            swiglu_limit=swiglu_limit,
+            weight_before_down=weight_before_down,
+            out_dtype=out_dtype,
+        )
     if x.ndim != 2:
         raise ValueError(f"moe_experts: x must be [tokens, hidden], got shape {x.shape}")
     missing = {"gate", "up", "down"} - set(experts)

@@ -8,6 +8,7 @@ from deepinfer_jax.models.deepseek_v3.weights import (
     assemble_params,
     expected_tensors,
     init_params,
+    logical_axes,
 )
 from deepinfer_jax.models.registry import ModelFamily
 
@@ -20,4 +21,5 @@ FAMILY = ModelFamily(
     assemble_params=assemble_params,
     init_params=init_params,
     forward_logits=forward_logits,
+    logical_axes=logical_axes,
 )
