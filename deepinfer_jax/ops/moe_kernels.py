@@ -37,9 +37,12 @@ from deepinfer_jax.numerics import qlinear
 from deepinfer_jax.ops.registry import REFERENCE, OpRegistry, default_registry, register_impl, register_op
 
 __all__ = [
+    "ExpertLayoutImpl",
+    "expert_layout_impl",
     "moe_grouped_experts",
     "moe_grouped_experts_ascend",
     "moe_grouped_experts_pallas",
+    "register_expert_layout",
     "register_moe_experts_backends",
     "sort_by_expert",
 ]
@@ -109,6 +112,34 @@ def _grouped_dense(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
         return lax.cond(sizes[e] > 0, run, lambda y: y, y)
 
     return lax.fori_loop(0, w.shape[0], body, jnp.zeros((x.shape[0], w.shape[1]), jnp.float32))
+
+
+ExpertLayoutImpl = Callable[..., jax.Array]
+"""An implementation of op ``moe_experts`` for one container type of expert weights (same signature as the op)."""
+
+_EXPERT_LAYOUTS: dict[type, ExpertLayoutImpl] = {}
+
+
+def register_expert_layout(layout: type, impl: ExpertLayoutImpl) -> None:
+    """Make every implementation of op ``moe_experts`` hand experts of container type ``layout`` to ``impl``.
+
+    Model code passes ``p["experts"]`` to the op without looking inside. A layer whose routed experts were laid
+    out in another way (e.g. :class:`deepinfer_jax.parallel.SlotExperts`: physical slots sharded over an
+    expert-parallel mesh, plus the slot placement) arrives as a container of its own type, and whichever backend
+    the registry selected (reference loop, Pallas, Ascend) forwards the call, unchanged, to the implementation
+    registered for that type. Layers above ``ops`` (``parallel``) register their layouts at import, so the
+    dependency direction is kept. Registering a type twice replaces its implementation (module reloads).
+    """
+    if not isinstance(layout, type):
+        raise TypeError(f"register_expert_layout: layout must be a class, got {type(layout).__name__}")
+    if not callable(impl):
+        raise TypeError(f"register_expert_layout: impl must be callable, got {type(impl).__name__}")
+    _EXPERT_LAYOUTS[layout] = impl
+
+
+def expert_layout_impl(experts: Any) -> ExpertLayoutImpl | None:
+    """The registered implementation for the container type of ``experts`` (``None``: plain weight dicts)."""
+    return _EXPERT_LAYOUTS.get(type(experts))
 
 
 def _select(name: str, backend: str, platform: str | None, registry: OpRegistry) -> Callable[..., Any]:
@@ -218,6 +249,9 @@ def moe_grouped_experts_pallas(
     x: jax.Array, routing: Any, experts: Mapping[str, Mapping[str, jax.Array]], numerics: Any, **kwargs: Any
 ) -> jax.Array:
     """:func:`moe_grouped_experts` over the ``pallas_gpu`` grouped kernels (selected on the current platform)."""
+    layout_impl = expert_layout_impl(experts)
+    if layout_impl is not None:
+        return layout_impl(x, routing, experts, numerics, **kwargs)
     return moe_grouped_experts(x, routing, experts, numerics, backend="pallas_gpu", **kwargs)
 
 
@@ -225,6 +259,9 @@ def moe_grouped_experts_ascend(
     x: jax.Array, routing: Any, experts: Mapping[str, Mapping[str, jax.Array]], numerics: Any, **kwargs: Any
 ) -> jax.Array:
     """:func:`moe_grouped_experts` over the ``ascend`` lowerings (selected for the ``ascend`` platform)."""
+    layout_impl = expert_layout_impl(experts)
+    if layout_impl is not None:
+        return layout_impl(x, routing, experts, numerics, **kwargs)
     return moe_grouped_experts(x, routing, experts, numerics, backend="ascend", platform="ascend", **kwargs)
 
 

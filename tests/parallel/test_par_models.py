@@ -207,6 +207,12 @@ def test_layout_hook_forwards_the_call_unchanged():
     [(got_x, got_routing, got_layout, _, kwargs)] = calls
     assert got_x is x and got_routing is routing and got_layout is layout
     assert kwargs == {"swiglu_limit": 7.0, "weight_before_down": True, "out_dtype": None}
+    # The kernel backends of the op (selected on GPU / Ascend) honour the same hook.
+    from deepinfer_jax.ops.moe_kernels import moe_grouped_experts_ascend, moe_grouped_experts_pallas
+
+    for kernel in (moe_grouped_experts_pallas, moe_grouped_experts_ascend):
+        np.testing.assert_array_equal(kernel(x, routing, layout, LinearNumerics(), swiglu_limit=3.0), 2 * x)
+        assert calls[-1][2] is layout and calls[-1][4] == {"swiglu_limit": 3.0}
     with pytest.raises(TypeError, match="layout must be a class"):
         register_expert_layout(layout, impl)
     with pytest.raises(TypeError, match="impl must be callable"):

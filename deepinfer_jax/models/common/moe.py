@@ -24,7 +24,7 @@ only through the production activation rounding.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -33,7 +33,12 @@ from jax import lax
 
 from deepinfer_jax.models.common.linear import LinearNumerics, LinearParams, grouped_linear
 from deepinfer_jax.models.common.mlp import swiglu
-from deepinfer_jax.ops.moe_kernels import register_moe_experts_backends
+from deepinfer_jax.ops.moe_kernels import (
+    ExpertLayoutImpl,
+    expert_layout_impl,
+    register_expert_layout,
+    register_moe_experts_backends,
+)
 from deepinfer_jax.ops.registry import register_op
 
 __all__ = [
@@ -147,29 +152,6 @@ def route(
     return Routing(ids=ids, weights=weights)
 
 
-ExpertLayoutImpl = Callable[..., jax.Array]
-"""An implementation of op ``moe_experts`` for one container type of expert weights (same signature as the op)."""
-
-_EXPERT_LAYOUTS: dict[type, ExpertLayoutImpl] = {}
-
-
-def register_expert_layout(layout: type, impl: ExpertLayoutImpl) -> None:
-    """Make op ``moe_experts`` hand experts of container type ``layout`` to ``impl``.
-
-    Model code passes ``p["experts"]`` to the op without looking inside. A layer whose routed experts were laid
-    out in another way (e.g. :class:`deepinfer_jax.parallel.SlotExperts`: physical slots sharded over an
-    expert-parallel mesh, plus the slot placement) arrives as a container of its own type, and the op forwards
-    the call, unchanged, to the implementation registered for that type. Layers above ``models`` (``parallel``)
-    register their layouts at import, so the dependency direction stays ``models <- parallel``. Registering a
-    type twice replaces its implementation (module reloads re-register).
-    """
-    if not isinstance(layout, type):
-        raise TypeError(f"register_expert_layout: layout must be a class, got {type(layout).__name__}")
-    if not callable(impl):
-        raise TypeError(f"register_expert_layout: impl must be callable, got {type(impl).__name__}")
-    _EXPERT_LAYOUTS[layout] = impl
-
-
 def moe_experts(
     x: jax.Array,
     routing: Routing,
@@ -191,7 +173,7 @@ def moe_experts(
     ``experts`` of a type given to :func:`register_expert_layout` (expert-parallel slot layouts) go to that
     type's implementation instead, with the same arguments.
     """
-    layout_impl = _EXPERT_LAYOUTS.get(type(experts))
+    layout_impl = expert_layout_impl(experts)
     if layout_impl is not None:
         return layout_impl(
             x,
