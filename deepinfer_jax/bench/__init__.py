@@ -3,10 +3,13 @@
 A :class:`Workload` names the requests; :func:`run_benchmark` warms the engine up, times ``generate`` runs
 (optionally alternating with a baseline process such as transformers ``generate`` in its own venv) and returns
 a JSON-able report: throughput, TTFT/TPOT distributions, per-sequence speed, KV bytes per token, compile
-counts, host vs wait time per step and the engine/baseline ratio. See docs/benchmarks.md.
+counts, host vs wait time per step and the engine/baseline ratio. A workload with a ``request_rate`` runs
+online instead: its requests enter the running engine at seeded Poisson (or gamma) arrival times
+(:func:`run_online`), and the report adds the drawn and achieved request rates. See docs/benchmarks.md.
 """
 
 from deepinfer_jax.bench.metrics import Distribution, RequestTiming, RunMetrics, distribution, run_metrics
+from deepinfer_jax.bench.online import OnlineRun, run_online
 from deepinfer_jax.bench.runner import EngineBench, ModelNotSupportedError, run_benchmark
 from deepinfer_jax.bench.workload import LengthDist, Request, Workload, parse_length_dist
 
@@ -15,6 +18,7 @@ __all__ = [
     "EngineBench",
     "LengthDist",
     "ModelNotSupportedError",
+    "OnlineRun",
     "Request",
     "RequestTiming",
     "RunMetrics",
@@ -23,4 +27,5 @@ __all__ = [
     "parse_length_dist",
     "run_benchmark",
     "run_metrics",
+    "run_online",
 ]

@@ -16,6 +16,11 @@ batches: prompts of one batch are left-padded to the longest, and the batch gene
 ``max_new_tokens`` of its requests (each request's own count is what is reported). Decoding is greedy
 (``do_sample=False``) with ``min_new_tokens`` equal to ``max_new_tokens``, so EOS never ends a row early --
 the engine side ignores EOS too.
+
+Padding changes results for some models: transformers' DeepSeek-V4 does not give a left-padded row the result
+of the same prompt run alone (its compressors pool hidden states without the attention mask, so pad positions
+enter the compressed entries), so token agreement with the engine is only meaningful for batches of
+equal-length prompts on V4.
 """
 
 from __future__ import annotations

@@ -24,6 +24,11 @@ def format_report(report: dict[str, Any]) -> str:
             f"{w['num_requests']} requests, prompt {w['prompt_len']}, output {w['output_len']}, "
             f"batch {w['batch_size'] or 'all'}, max_num_seqs {w['max_num_seqs']}, temperature {w['temperature']}",
         ),
+        (
+            "mesh",
+            f"data_parallel_size {w.get('data_parallel_size', 1)} x expert_parallel_size "
+            f"{w.get('expert_parallel_size', 1)}",
+        ),
         ("runs", f"{report['warmup']['runs']} warm-up + {len(runs)} measured (medians below)"),
         (
             "output tokens/s",
@@ -31,6 +36,18 @@ def format_report(report: dict[str, Any]) -> str:
         ),
         ("input tokens/s", _fmt(e["input_tokens_per_s"])),
     ]
+    if e.get("request_rate") is not None:
+        rows.append(
+            (
+                "request rate",
+                f"target {e['request_rate']:g}/s (burstiness {e['burstiness']:g}), drawn "
+                f"{_fmt(e['drawn_request_rate'], digits=2)}/s, achieved {_fmt(e['achieved_request_rate'], digits=2)}/s; "
+                f"{_fmt(e['request_throughput'], digits=2)} requests finished/s; admission delay p99 "
+                f"{_fmt(e['admission_delay_p99_s'], 1e3, 2)} ms",
+            )
+        )
+    else:
+        rows.append(("request rate", "all requests at once (offline)"))
     for name, key in (("TTFT ms", "ttft"), ("TPOT ms", "tpot"), ("latency ms", "latency")):
         d = m[key]
         rows.append(

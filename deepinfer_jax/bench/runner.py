@@ -9,6 +9,10 @@ blocked until a step's sampled tokens are ready, i.e. device time the host could
 runner's one-step-in-flight loop, device time proper is hidden behind host work and is not observable without
 a profiler; "wait" is its visible part. If the runner lacks those calls (a different engine loop), the report
 says ``"available": false``.
+
+**Online workloads.** A workload with a ``request_rate`` is not run through ``generate``: its requests enter
+the running engine at their arrival times (:mod:`deepinfer_jax.bench.online`), and each run also reports the
+drawn and achieved request rates and how long arrivals waited for the host loop.
 """
 
 from __future__ import annotations
@@ -26,16 +30,17 @@ import jax
 from deepinfer_jax import cache as cache_lib
 from deepinfer_jax.bench.baseline import DEFAULT_SCRIPT, BaselineProcess, baseline_setup
 from deepinfer_jax.bench.metrics import RequestTiming, distribution, run_metrics
+from deepinfer_jax.bench.online import check_online_runner, run_online
 from deepinfer_jax.bench.workload import Request, Workload
 from deepinfer_jax.engine.llm import LLM
-from deepinfer_jax.engine.params import SamplingParams
+from deepinfer_jax.engine.params import RequestOutput, SamplingParams
 from deepinfer_jax.models import builtin
 
 __all__ = ["EngineBench", "ModelNotSupportedError", "StepTimer", "machine_info", "run_benchmark"]
 
 
 class ModelNotSupportedError(RuntimeError):
-    """The engine cannot serve this model (yet); the message says which model and why."""
+    """The engine cannot serve this model, or this model on this mesh (yet); the message says which and why."""
 
 
 class StepTimer:
@@ -51,14 +56,15 @@ class StepTimer:
     def attach(self, llm: LLM) -> Iterator[StepTimer]:
         runner = llm.runner
         names = ("_dispatch", "_process")
-        if not all(callable(getattr(runner, n, None)) for n in names) or not hasattr(
-            llm.scheduler, "schedule"
+        # On a mesh the runner asks each device's scheduler for its part of the step.
+        schedulers = list(getattr(llm.scheduler, "schedulers", None) or [llm.scheduler])
+        if not all(callable(getattr(runner, n, None)) for n in names) or not all(
+            hasattr(s, "schedule") for s in schedulers
         ):
             self.available = False
             yield self
             return
         originals = {n: getattr(runner, n) for n in names}
-        schedule = llm.scheduler.schedule
 
         def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
             def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -83,11 +89,14 @@ class StepTimer:
             return timed(originals["_process"])(plan, out)
 
         runner._dispatch, runner._process = dispatch, process
-        llm.scheduler.schedule = timed(schedule)
+        for s in schedulers:
+            s.schedule = timed(s.schedule)
         try:
             yield self
         finally:
-            del runner._dispatch, runner._process, llm.scheduler.schedule
+            del runner._dispatch, runner._process
+            for s in schedulers:
+                del s.schedule
 
     def to_dict(self) -> dict[str, Any]:
         if not self.available:
@@ -137,12 +146,22 @@ class EngineBench:
                 max_model_len=w.max_model_len,
                 batch_invariant=w.batch_invariant,
                 seed=w.seed,
+                data_parallel_size=w.data_parallel_size,
+                expert_parallel_size=w.expert_parallel_size,
                 **w.engine_overrides,
             )
         except NotImplementedError as err:
+            mesh = ""
+            if w.data_parallel_size * w.expert_parallel_size > 1:
+                mesh = (
+                    f" on a mesh of data_parallel_size={w.data_parallel_size} x "
+                    f"expert_parallel_size={w.expert_parallel_size}"
+                )
             raise ModelNotSupportedError(
-                f"model {w.model!r} is not supported by the engine yet: {err}"
+                f"model {w.model!r}{mesh} is not supported by the engine yet: {err}"
             ) from err
+        if w.online:
+            check_online_runner(self.llm)
         cfg = self.llm.model.config
         self.requests: list[Request] = w.requests(cfg.vocab_size)
         self.compile_count = 0
@@ -178,39 +197,56 @@ class EngineBench:
         )
 
     def run(self, *, measure_steps: bool = True) -> dict[str, Any]:
-        """One pass: every batch through ``generate``; returns metrics, step timing, compile counts, tokens."""
+        """One pass over the workload's requests: every batch through ``generate`` or, for an online workload,
+        every request entering the running engine at its arrival time. Returns metrics, step timing, compile
+        counts and the generated tokens (in request order), and for an online run its request rates."""
         timer = StepTimer()
-        timings: list[RequestTiming] = []
-        tokens: list[list[int]] = []
+        outputs: list[RequestOutput] = []
         steps = compiles = 0
         compile_s = 0.0
         wall = 0.0
+        online: dict[str, Any] | None = None
+        w = self.workload
         ctx = timer.attach(self.llm) if measure_steps else contextlib.nullcontext(timer)
         with ctx:
-            for batch in self.workload.batches(self.requests):
-                params = [self._params(r.max_tokens) for r in batch]
-                start = time.perf_counter()
-                outs = self.llm.generate(
-                    prompt_token_ids=[list(r.prompt_token_ids) for r in batch],
-                    sampling_params=params,
-                    use_tqdm=False,
+            if w.online:
+                result = run_online(
+                    self.llm,
+                    [list(r.prompt_token_ids) for r in self.requests],
+                    [self._params(r.max_tokens) for r in self.requests],
+                    w.arrival_times(),
                 )
-                wall += time.perf_counter() - start
-                stats = self.llm.last_stats
-                assert stats is not None
-                steps += stats.steps
-                compiles += stats.compile_count
-                compile_s += stats.compile_seconds
-                for o in outs:
-                    if o.outputs[0].finish_reason == "error":
-                        # A failed request would make every number of the run meaningless: stop here.
-                        raise RuntimeError(f"request {o.request_id} failed: {o.outputs[0].error}")
-                    timings.append(RequestTiming.from_output(o))
-                    tokens.append(list(o.outputs[0].token_ids))
+                outputs = result.outputs
+                wall = result.wall_seconds
+                steps, compiles, compile_s = (
+                    result.stats.steps,
+                    result.stats.compile_count,
+                    result.stats.compile_seconds,
+                )
+                online = result.summary(w.request_rate, w.burstiness)
+            else:
+                for batch in w.batches(self.requests):
+                    params = [self._params(r.max_tokens) for r in batch]
+                    start = time.perf_counter()
+                    outputs += self.llm.generate(
+                        prompt_token_ids=[list(r.prompt_token_ids) for r in batch],
+                        sampling_params=params,
+                        use_tqdm=False,
+                    )
+                    wall += time.perf_counter() - start
+                    stats = self.llm.last_stats
+                    assert stats is not None
+                    steps += stats.steps
+                    compiles += stats.compile_count
+                    compile_s += stats.compile_seconds
+        for o in outputs:
+            if o.outputs[0].finish_reason == "error":
+                # A failed request would make every number of the run meaningless: stop here.
+                raise RuntimeError(f"request {o.request_id} failed: {o.outputs[0].error}")
         self.compile_count += compiles
         self.compile_seconds += compile_s
-        metrics = run_metrics(timings, wall)
-        return {
+        metrics = run_metrics([RequestTiming.from_output(o) for o in outputs], wall)
+        run: dict[str, Any] = {
             "metrics": metrics.to_dict(),
             "steps": steps,
             "compile_count": compiles,
@@ -218,8 +254,11 @@ class EngineBench:
             "step_timing": timer.to_dict()
             if measure_steps
             else {"available": False, "reason": "not measured"},
-            "token_ids": tokens,
         }
+        if online is not None:
+            run["online"] = online
+        run["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
+        return run
 
 
 def _median(values: list[float]) -> float | None:
@@ -237,8 +276,14 @@ def run_benchmark(
     """Warm up, then ``workload.repeats`` measured engine runs, each followed by a baseline run when
     ``baseline_python`` is given; returns the JSON-able report.
 
-    Raises :class:`ModelNotSupportedError` for a model the engine does not serve yet.
+    Raises :class:`ModelNotSupportedError` for a model (or mesh) the engine does not serve yet, and
+    ``ValueError`` for a baseline with an online workload (the baseline runs offline batches only).
     """
+    if baseline_python is not None and workload.online:
+        raise ValueError(
+            f"baseline_python: the baseline runs offline batches and cannot be paced; it cannot be compared with "
+            f"an online workload (request_rate = {workload.request_rate} requests/s); drop one of them"
+        )
     say = log or (lambda _msg: None)
     bench = EngineBench(workload)
     report: dict[str, Any] = {
@@ -352,6 +397,15 @@ def _engine_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "steps": _median([r["steps"] for r in runs]),
         "compile_count": sum(r["compile_count"] for r in runs),
     }
+    online = [r["online"] for r in runs if "online" in r]
+    if online:
+        for key in ("request_rate", "burstiness", "drawn_request_rate"):
+            out[key] = online[0][key]  # the same draw in every run
+        for key in ("achieved_request_rate", "request_throughput"):
+            out[key] = _median([o[key] for o in online if o[key] is not None])
+        out["admission_delay_p99_s"] = _median(
+            [o["admission_delay"]["p99"] for o in online if o["admission_delay"] is not None]
+        )
     timing = [r["step_timing"] for r in runs if r["step_timing"].get("available")]
     if timing:
         out["host_ms_per_step"] = _median([t["host_ms_per_step"] for t in timing])

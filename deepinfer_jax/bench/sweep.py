@@ -45,10 +45,10 @@ from deepinfer_jax.models import builtin
 __all__ = ["BenchPoint", "BenchSweep", "load_bench_sweep"]
 
 _BENCH_PREFIX = "bench."
-# Engine config fields that are Workload fields: the LLM arguments a workload sets (the mesh sizes are not
-# workload fields yet), plus the sampling settings.
+# Engine config fields that are Workload fields: the LLM arguments a workload sets (the mesh sizes included),
+# plus the sampling settings.
 _TO_WORKLOAD = {
-    **{key: arg for key, arg in ARGUMENT_CONFIG_KEYS.items() if not key.startswith("parallel.")},
+    **ARGUMENT_CONFIG_KEYS,
     "sampling.temperature": "temperature",
     "sampling.top_p": "top_p",
     "sampling.top_k": "top_k",
@@ -230,14 +230,17 @@ def load_bench_sweep(
             elif not key.startswith("model."):
                 overrides[key] = value
         name = ",".join(f"{k}={v}" for k, v in point.items()) or "base"
-        workload = base.replace(
-            **{
-                **workload_fields,
-                **fields,
-                **bench_point,
-                "model": llm_model,
-                "engine_overrides": {**dict(base.engine_overrides), **overrides},
-            }
-        )
+        try:
+            workload = base.replace(
+                **{
+                    **workload_fields,
+                    **fields,
+                    **bench_point,
+                    "model": llm_model,
+                    "engine_overrides": {**dict(base.engine_overrides), **overrides},
+                }
+            )
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"{where}, point {point}: {err}") from None
         points.append(BenchPoint(name, point, workload))
     return BenchSweep(spec.name, spec, tuple(points))

@@ -4,11 +4,18 @@ Prompt and output lengths are :class:`LengthDist` distributions; the prompts the
 drawn from a seeded generator, so a workload names its requests exactly and the engine and a baseline can be
 given the same ids. Outputs ignore EOS by default, so every request generates exactly its drawn output
 length and throughput numbers count the same work on both sides.
+
+A workload with a ``request_rate`` is an *online* workload: its requests arrive over time instead of all at
+once. The gaps between arrivals are drawn like vLLM's ``benchmark_serving`` draws them -- from a gamma
+distribution with shape ``burstiness`` and mean ``1 / request_rate``, so ``burstiness = 1`` is a Poisson
+process (exponential gaps), smaller values are burstier and larger ones more regular -- from their own seeded
+generator, so adding a rate changes no prompt.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -93,7 +100,35 @@ class Request:
     max_tokens: int
 
 
-_INT_FIELDS = {"num_requests": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1, "warmup": 0, "repeats": 1}
+_INT_FIELDS = {
+    "num_requests": 1,
+    "max_num_seqs": 1,
+    "max_num_batched_tokens": 1,
+    "warmup": 0,
+    "repeats": 1,
+    "data_parallel_size": 1,
+    "expert_parallel_size": 1,
+}
+_ARRIVAL_STREAM = 0x41525256
+"""Mixed into the seed of the arrival-time generator, so arrivals are independent of the prompt draws."""
+
+
+def _rate(value: Any) -> float | None:
+    """``request_rate`` normalised: ``None`` (or infinity) means every request arrives at once."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() in ("inf", "infinity"):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"Workload.request_rate: expected requests per second (a float), None or inf, got "
+            f"{type(value).__name__} ({value!r})"
+        )
+    if math.isinf(value) and value > 0:
+        return None
+    if not value > 0 or math.isnan(value):
+        raise ValueError(f"Workload.request_rate: must be > 0 requests/s (or inf), got {value!r}")
+    return float(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +149,11 @@ class Workload:
       seed: draws the prompts and lengths, and is the engine seed.
       warmup: unmeasured runs first (compilation, caches); repeats: measured runs.
       engine_overrides: dotted engine config names passed to ``LLM`` (``{"cache.block_size": 16}``).
+      request_rate: requests per second of an online run (``None`` or ``inf``: all requests at once, handed to
+        one ``generate`` call per batch). With a rate, requests enter the running engine at their arrival
+        times (:meth:`arrival_times`, :mod:`deepinfer_jax.bench.online`), so TTFT includes queueing.
+      burstiness: the gamma shape of the gaps between arrivals (1: Poisson arrivals); only with a rate.
+      data_parallel_size, expert_parallel_size: the engine's ``(dp, ep)`` mesh, passed to ``LLM``.
     """
 
     model: str = "tiny-v3"
@@ -136,6 +176,10 @@ class Workload:
     warmup: int = 1
     repeats: int = 3
     engine_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    request_rate: float | None = None
+    burstiness: float = 1.0
+    data_parallel_size: int = 1
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -157,6 +201,23 @@ class Workload:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"Workload.seed: expected an int >= 0, got {self.seed!r}")
         object.__setattr__(self, "engine_overrides", dict(self.engine_overrides))
+        object.__setattr__(self, "request_rate", _rate(self.request_rate))
+        b = self.burstiness
+        if isinstance(b, bool) or not isinstance(b, int | float):
+            raise TypeError(f"Workload.burstiness: expected a float, got {type(b).__name__} ({b!r})")
+        if not (b > 0 and math.isfinite(b)):
+            raise ValueError(f"Workload.burstiness: must be a finite number > 0, got {b!r}")
+        object.__setattr__(self, "burstiness", float(b))
+        if self.request_rate is not None and self.batch_size is not None:
+            raise ValueError(
+                f"Workload.batch_size: {self.batch_size} cannot be combined with request_rate = "
+                f"{self.request_rate} (an online run admits requests one at a time as they arrive); drop one"
+            )
+
+    @property
+    def online(self) -> bool:
+        """True when requests arrive over time (a ``request_rate`` is set)."""
+        return self.request_rate is not None
 
     def replace(self, **changes: Any) -> Workload:
         """A validated copy with ``changes`` applied."""
@@ -177,6 +238,23 @@ class Workload:
             Request(tuple(int(t) for t in rng.integers(0, vocab_size, p)), o)
             for p, o in zip(prompt_lens, output_lens)
         ]
+
+    def arrival_times(self) -> list[float]:
+        """Arrival offsets in seconds from the start of a run, one per request, non-decreasing.
+
+        The first request arrives at 0; each later one follows its predecessor after a gap drawn from a gamma
+        distribution with shape ``burstiness`` and scale ``1 / (request_rate * burstiness)`` (mean
+        ``1 / request_rate``; exponential for ``burstiness = 1``). Without a rate every offset is 0. The draw
+        depends only on ``seed``, ``num_requests``, the rate and the burstiness, so every run sees the same
+        arrivals.
+        """
+        n = self.num_requests
+        if self.request_rate is None:
+            return [0.0] * n
+        rng = np.random.default_rng([self.seed, _ARRIVAL_STREAM])
+        scale = 1.0 / (self.request_rate * self.burstiness)
+        gaps = rng.gamma(self.burstiness, scale, n - 1)
+        return [0.0, *(float(x) for x in np.cumsum(gaps))]
 
     def batches(self, requests: list[Request]) -> list[list[Request]]:
         """``requests`` cut into the groups handed to one ``generate`` call each."""

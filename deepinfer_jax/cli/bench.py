@@ -3,9 +3,12 @@
     deepinfer-jax bench --model tiny-v3 --dtype float32 --num_requests 16 --prompt_len 32 --output_len 64 \\
         --baseline_python .venv-oracle/bin/python --baseline_threads 2 --output bench.json --plot_dir plots/
 
+    deepinfer-jax bench --model tiny-v3 --num_requests 64 --request_rate 8 --burstiness 1   # online, Poisson
+
 Prints a table (throughput, TTFT/TPOT percentiles, per-sequence tokens/s, KV bytes per token, compilations,
-host vs device-wait time per step and, with a baseline, the ratio); ``--output`` writes the full JSON report.
-A model the engine does not serve yet is refused with exit status 2 and a message saying so.
+host vs device-wait time per step, request rates of an online run and, with a baseline, the ratio);
+``--output`` writes the full JSON report. A model, or a ``--data_parallel_size`` x ``--expert_parallel_size``
+mesh, that the engine does not serve yet is refused with exit status 2 and a message saying so.
 """
 
 from __future__ import annotations
@@ -42,6 +45,25 @@ def define_workload_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("seed", 0, "draws prompts and lengths; the engine seed", flag_values=fv)
     flags.DEFINE_integer("warmup", 1, "unmeasured runs first (compilation)", flag_values=fv)
     flags.DEFINE_integer("repeats", 3, "measured runs", flag_values=fv)
+    flags.DEFINE_float(
+        "request_rate",
+        None,
+        "requests/s arriving while the engine runs (Poisson, or gamma with --burstiness); default or inf: "
+        "all requests at once",
+        flag_values=fv,
+    )
+    flags.DEFINE_float(
+        "burstiness",
+        1.0,
+        "gamma shape of the gaps between arrivals with --request_rate (1: Poisson; < 1 burstier)",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "data_parallel_size", 1, "engine mesh: data-parallel attention ranks", flag_values=fv
+    )
+    flags.DEFINE_integer(
+        "expert_parallel_size", 1, "engine mesh: devices the routed experts are sharded over", flag_values=fv
+    )
     flags.DEFINE_multi_string(
         "set", [], "an engine config override, e.g. --set cache.block_size=16 (repeatable)", flag_values=fv
     )
@@ -68,6 +90,10 @@ def workload_from_flags(fv: flags.FlagValues, **changes: Any) -> Any:
         seed=fv.seed,
         warmup=fv.warmup,
         repeats=fv.repeats,
+        request_rate=fv.request_rate,
+        burstiness=fv.burstiness,
+        data_parallel_size=fv.data_parallel_size,
+        expert_parallel_size=fv.expert_parallel_size,
         engine_overrides=config_lib.parse_overrides(fv.set),
     )
     fields.update(changes)

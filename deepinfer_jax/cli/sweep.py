@@ -13,6 +13,7 @@ first one runs.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,18 @@ _WORKLOAD_FLAGS = (
     "seed",
     "warmup",
     "repeats",
+    "request_rate",
+    "burstiness",
+    "data_parallel_size",
+    "expert_parallel_size",
 )
+
+
+def _json_value(value: Any) -> Any:
+    """A grid value as strict JSON has it: ``.inf`` (a request rate) becomes the string ``"inf"``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
 
 
 def define_flags(fv: flags.FlagValues) -> None:
@@ -90,7 +102,7 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
             line = {
                 "sweep": sweep.name,
                 "point": point.name,
-                "values": dict(point.values),
+                "values": {k: _json_value(v) for k, v in point.values.items()},
                 "workload": report["workload"],
                 "summary": report["engine"]["summary"],
                 "kv_bytes_per_token": report["kv_bytes_per_token"],

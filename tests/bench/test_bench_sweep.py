@@ -99,3 +99,25 @@ def test_wrong_file_kind(tmp_path):
         load_bench_sweep(_write(tmp_path, "x", "s.txt"), base=Workload())
     with pytest.raises(ValueError, match="does not exist"):
         load_bench_sweep(tmp_path / "missing.yaml", base=Workload())
+
+
+def test_request_rate_and_mesh_axes(tmp_path):
+    path = _write(
+        tmp_path,
+        """
+        model: tiny-v3
+        bench: {num_requests: 4, burstiness: 0.5}
+        grid:
+          parallel.data_parallel_size: [1, 2]
+          bench.request_rate: [10, .inf]
+        """,
+    )
+    sweep = load_bench_sweep(path, base=Workload(), explicit={"expert_parallel_size": 2})
+    got = [(p.workload.data_parallel_size, p.workload.request_rate) for p in sweep.points]
+    assert got == [(1, 10.0), (1, None), (2, 10.0), (2, None)]  # .inf: all requests at once
+    # The mesh sizes are LLM arguments (workload fields), never engine overrides.
+    assert all(p.workload.engine_overrides == {} for p in sweep.points)
+    assert all(p.workload.burstiness == 0.5 and p.workload.expert_parallel_size == 2 for p in sweep.points)
+    bad = _write(tmp_path, "model: tiny-v3\ngrid: {bench.request_rate: [-1]}\n", "bad.yaml")
+    with pytest.raises(ValueError, match=r"bad\.yaml, point .*: Workload\.request_rate: must be > 0"):
+        load_bench_sweep(bad, base=Workload())
