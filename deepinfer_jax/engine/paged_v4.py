@@ -1,0 +1,576 @@
+"""DeepSeek-V4 in the engine: the layers of one step over a flat ragged batch, paged entries and state slots.
+
+The V4 model (:mod:`deepinfer_jax.models.deepseek_v4`) keeps, per layer, a window of the last ``W`` keys and,
+in compressed layers, one entry per ``r`` tokens (``r = 4`` with the lightning indexer for CSA, ``r = 16``/128
+for HCA). Its stateful ``forward_chunk`` holds them per batch row; the engine holds them per sequence, in the
+layout of ``spec/engine.md`` §6.3:
+
+* **paged blocks** -- every compressed layer's entries (``block_size / r`` per block and layer) and, for CSA
+  layers, the indexer keys; entry ``c`` of a sequence lives at ``block_tables[row, c·r // block]``, offset
+  ``(c·r % block) // r`` (:mod:`deepinfer_jax.cache.ragged`);
+* **state slots** -- per layer the window ring (``W`` keys, position ``q`` at ``q % W``) and, per compressed
+  layer, the compression state: rings of the projections (``kv`` and the gate logits without ``ape``, float32)
+  of the last ``r`` tokens (HCA) or ``2r`` tokens (CSA, whose entries pool two overlapping windows), one for the
+  attended entries and one for the indexer keys.
+
+A layer of a step (``T`` tokens of many rows, each at its own position, prefill chunks and decode tokens mixed):
+
+1. the mHC mixes, the attention norm and every projection, per token (in fixed tiles in batch-invariant mode);
+2. the window keys of each token from this step's keys or the slot's ring
+   (:func:`~deepinfer_jax.cache.ragged.history`), then the ring update;
+3. compressed layers: the tokens that complete an entry (``(p + 1) % r == 0``, at most ``T // r + S`` of them)
+   gather the ``r``/``2r`` projections they pool (:func:`~deepinfer_jax.cache.paged_walk.history_at`), pool
+   them with op ``v4_compressor_pool``, normalise, rotate to the entry's first position and write the entry
+   into its page -- before any query reads, so later tokens of the same step (and the emitting token itself)
+   see it, as in the contiguous model;
+4. attention with sinks as one online softmax: the window part, then for HCA every visible entry, walked page
+   by page (:func:`~deepinfer_jax.cache.paged_walk.paged_attend_all`), and for CSA the indexer's top-k:
+   indexer keys scored page by page (:func:`~deepinfer_jax.cache.paged_walk.paged_scores`, op
+   ``v4_indexer_scores``), the best ``index_topk`` visible entries gathered and attended;
+5. de-rotation, the grouped output projection, mHC, and the (hash- or score-routed) MoE of the model itself
+   (``moe_layer`` on a ``[1, T, H]`` view).
+
+Temporary memory per layer scales with the step's tokens times what each reads (``W`` window keys, ``k``
+selected entries, one page while walking) plus ``[T, entries]`` indexer scores, never with the cache.
+
+**Cache formats.** ``cache_dtype="float32"`` stores keys unquantised (in the precision mode's activation dtype,
+float32 in parity mode). ``cache_dtype="bfloat16"`` stores the production records of ARCHITECTURE §8 as bytes
+(:mod:`deepinfer_jax.numerics.kv_records`): MXFP8 window keys, FP4 (E2M1 + E4M3 per 16) compressed entries and
+MXFP4 indexer keys; every reader, the step that wrote a key included, sees its decoded value, which is the
+round trip the bfloat16 model applies (spec §12.4). Compression state is float32 in every mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.cache import paged_walk as pw
+from deepinfer_jax.cache.ragged import (
+    RaggedMeta,
+    compressed_slots,
+    gather_entries,
+    history,
+    ring_write,
+    write_entries,
+)
+from deepinfer_jax.config.v4 import DeepseekV4Config
+from deepinfer_jax.engine.paged_model import CacheLayout, PagedModel, rowwise, zeros
+from deepinfer_jax.models.common.embedding import embed_tokens, lm_head
+from deepinfer_jax.models.common.linear import LinearNumerics, linear
+from deepinfer_jax.models.deepseek_v4.attention import (
+    CSA,
+    SLIDING,
+    AttentionSpec,
+    grouped_output_projection,
+)
+from deepinfer_jax.models.deepseek_v4.mhc import hc_collapse, hc_expand, hc_head, hc_mixes
+from deepinfer_jax.models.deepseek_v4.model import V4Plan, moe_layer, numerics_for
+from deepinfer_jax.numerics.activation import kv_cast
+from deepinfer_jax.numerics.kv_records import (
+    RecordFormat,
+    compressed_record_format,
+    decode_records,
+    encode_records,
+    indexer_record_format,
+    window_record_format,
+)
+from deepinfer_jax.ops import apply_rope, rms_norm, rope_cos_sin
+from deepinfer_jax.ops import get as get_op
+
+__all__ = ["CACHE_DTYPES", "KeyStore", "V4PagedModel"]
+
+CACHE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+"""``cache_dtype`` values: unquantised keys, or the production record formats (module docstring)."""
+
+Params = Mapping[str, Any]
+_RECORD_NAMES = {("e4m3", "ue8m0"): "MXFP8", ("e2m1", "e4m3"): "FP4", ("e2m1", "ue8m0"): "MXFP4"}
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyStore:
+    """How one kind of key (window, compressed, indexer) is stored: plain values or quantised records.
+
+    With ``record`` set, keys are ``uint8 [..., record_bytes]`` records and reading one back gives the
+    format's dequantised value; otherwise they are values of ``dtype`` and ``cast`` names the precision mode's
+    own round trip (:func:`~deepinfer_jax.numerics.activation.kv_cast`, ``"none"`` in parity mode).
+    """
+
+    width: int
+    dtype: str
+    cast: str = "none"
+    record: RecordFormat | None = None
+
+    @property
+    def item_shape(self) -> tuple[int, ...]:
+        return (self.record.record_bytes,) if self.record is not None else (self.width,)
+
+    @property
+    def item_dtype(self) -> Any:
+        return jnp.uint8 if self.record is not None else jnp.dtype(self.dtype)
+
+    @property
+    def item_bytes(self) -> int:
+        return (
+            self.record.record_bytes
+            if self.record is not None
+            else self.width * jnp.dtype(self.dtype).itemsize
+        )
+
+    def describe(self) -> str:
+        """One key's storage in words, e.g. ``"MXFP8 132 B"`` or ``"float32 512 B"``."""
+        if self.record is not None:
+            name = _RECORD_NAMES.get((self.record.element, self.record.scale), self.record.name)
+            return f"{name} {self.record.record_bytes} B"
+        return f"{self.dtype} {self.item_bytes} B"
+
+    def encode(self, x: jax.Array) -> jax.Array:
+        """What is stored for keys ``x [..., width]``."""
+        if self.record is not None:
+            return encode_records(x.astype(jnp.float32), self.record)
+        return kv_cast(x, self.cast).astype(self.item_dtype)
+
+    def decode(self, stored: jax.Array, dtype: Any) -> jax.Array:
+        """The keys a reader sees, in ``dtype``."""
+        if self.record is not None:
+            return decode_records(stored, self.record, dtype=jnp.float32).astype(dtype)
+        return stored.astype(dtype)
+
+
+def _store(kind: str, width: int, cache_dtype: str, act: str, cast: str) -> KeyStore:
+    if cache_dtype == "float32":
+        return KeyStore(width, act, cast)
+    fmt = {
+        "window": window_record_format,
+        "compressed": compressed_record_format,
+        "indexer": indexer_record_format,
+    }[kind](width)
+    return KeyStore(width, act, cast, fmt)
+
+
+def _compressor_feats(spec: AttentionSpec, width: int) -> tuple[int, int]:
+    """``(ring length, features)`` of a compressor's projection ring: CSA pools ``2r`` positions of ``2W``."""
+    if spec.kind == CSA:
+        return 2 * spec.ratio, 2 * width
+    return spec.ratio, width
+
+
+@dataclasses.dataclass(frozen=True)
+class V4PagedModel(PagedModel):
+    """DeepSeek-V4 over paged compressed entries and per-sequence state slots (module docstring).
+
+    Build it with :meth:`create`. Frozen and hashable: the engine passes it to the jitted step as a static
+    argument.
+
+    Attributes:
+      cfg: the model's :class:`~deepinfer_jax.config.v4.DeepseekV4Config`.
+      plan: the :class:`~deepinfer_jax.models.deepseek_v4.model.V4Plan` of the precision mode.
+      numerics: its linear numerics.
+      block_size: tokens per cache block (every compression ratio divides it).
+      cache_dtype: ``"float32"`` or ``"bfloat16"`` (production records).
+      window, compressed, indexer: how each kind of key is stored (:class:`KeyStore`).
+      walk_chunk: block-table columns per iteration of the page walks.
+    """
+
+    cfg: DeepseekV4Config
+    plan: V4Plan
+    numerics: LinearNumerics
+    block_size: int
+    cache_dtype: str
+    window: KeyStore
+    compressed: KeyStore
+    indexer: KeyStore
+    walk_chunk: int = 1
+
+    @classmethod
+    def create(cls, model: Any, *, block_size: int, dtype: str, cache_dtype: str) -> V4PagedModel:
+        """The engine's view of a loaded V4 model (``load_model``'s result) in precision mode ``dtype``.
+
+        Refuses a ``block_size`` that a layer's compression ratio does not divide and a ``cache_dtype``
+        outside :data:`CACHE_DTYPES`.
+        """
+        cfg = model.config
+        if not isinstance(cfg, DeepseekV4Config):
+            raise TypeError(f"model.config: expected a DeepseekV4Config, got {type(cfg).__name__}")
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype: {dtype!r} is not a precision mode; expected 'float32' or 'bfloat16'")
+        if cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"cache_dtype: {cache_dtype!r} is not supported; expected one of {CACHE_DTYPES}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size: expected an int >= 1, got {block_size!r}")
+        plan = V4Plan.from_config(cfg, dtype)
+        casts = plan.casts
+        head_dim = cfg.head_dim
+        index_dim = cfg.index_head_dim or 0
+        if cache_dtype == "bfloat16":
+            for field, width, group in (("head_dim", head_dim, 32), ("index_head_dim", index_dim, 32)):
+                if width % group:
+                    raise ValueError(
+                        f"{field} = {width}: the production cache records quantise groups of {group} values; "
+                        f"use kv_cache_dtype='float32' for this model"
+                    )
+        model_obj = cls(
+            cfg=cfg,
+            plan=plan,
+            numerics=numerics_for(cfg, dtype),
+            block_size=block_size,
+            cache_dtype=cache_dtype,
+            window=_store("window", head_dim, cache_dtype, plan.dtype, casts.window_keys),
+            compressed=_store("compressed", head_dim, cache_dtype, plan.dtype, casts.compressed_keys),
+            # A model without CSA layers stores no indexer keys; the placeholder is never read.
+            indexer=_store("indexer", index_dim, cache_dtype, plan.dtype, casts.indexer)
+            if index_dim
+            else KeyStore(0, plan.dtype),
+        )
+        model_obj.check_block_size(block_size)
+        return model_obj
+
+    # ------------------------------------------------------------------------------------------ layout
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.plan.vocab_size)
+
+    def check_block_size(self, block_size: int) -> None:
+        """A block holds whole compressed entries of every layer: each compression ratio must divide it."""
+        for i, spec in enumerate(self.plan.attention):
+            if spec.ratio and block_size % spec.ratio:
+                raise ValueError(
+                    f"cache.block_size = {block_size}: layer {i} ({spec.kind}) has compression ratio "
+                    f"{spec.ratio}, which does not divide it; use a multiple of {spec.ratio}"
+                )
+
+    def _layer_bytes(self, spec: AttentionSpec) -> tuple[int, int]:
+        """``(bytes per block, bytes per slot)`` of one layer."""
+        per_slot = spec.window * self.window.item_bytes
+        per_block = 0
+        if spec.kind != SLIDING:
+            entries = self.block_size // spec.ratio
+            ring, feats = _compressor_feats(spec, spec.head_dim)
+            per_slot += 2 * ring * feats * 4
+            per_block += entries * self.compressed.item_bytes
+            if spec.kind == CSA:
+                ring, feats = _compressor_feats(spec, spec.index_dim)
+                per_slot += 2 * ring * feats * 4
+                per_block += entries * self.indexer.item_bytes
+        return per_block, per_slot
+
+    def layout(self) -> CacheLayout:
+        per_block = per_slot = 0
+        lines = []
+        kinds: dict[tuple[str, int], int] = {}
+        for spec in self.plan.attention:
+            b, s = self._layer_bytes(spec)
+            per_block += b
+            per_slot += s
+            kinds[(spec.kind, spec.ratio)] = kinds.get((spec.kind, spec.ratio), 0) + 1
+        for (kind, ratio), count in kinds.items():
+            spec = next(s for s in self.plan.attention if (s.kind, s.ratio) == (kind, ratio))
+            b, s = self._layer_bytes(spec)
+            text = f"{kind}" + (f" (ratio {ratio})" if ratio else "") + f" x {count}, per layer: window "
+            text += f"{spec.window} keys x {self.window.describe()}"
+            if kind != SLIDING:
+                ring, feats = _compressor_feats(spec, spec.head_dim)
+                text += f" + compression state {ring} x 2 x {feats} float32"
+                if kind == CSA:
+                    ring, feats = _compressor_feats(spec, spec.index_dim)
+                    text += f" + indexer state {ring} x 2 x {feats} float32"
+            text += f" = {s} B per slot"
+            if kind != SLIDING:
+                text += f"; {self.block_size // ratio} entries per block x ({self.compressed.describe()}"
+                if kind == CSA:
+                    text += f" + indexer key {self.indexer.describe()}"
+                text += f") = {b} B per block"
+            lines.append(text)
+        storage = (
+            "float32"
+            if self.cache_dtype == "float32" and self.plan.dtype == "float32"
+            else (
+                "MXFP8 window, FP4 compressed, MXFP4 indexer"
+                if self.cache_dtype == "bfloat16"
+                else self.plan.dtype
+            )
+        )
+        return CacheLayout(
+            block_size=self.block_size,
+            bytes_per_block=per_block,
+            bytes_per_slot=per_slot,
+            dtype=storage,
+            lines=tuple(lines),
+        )
+
+    def init_cache(self, num_blocks: int, num_slots: int, sharding: Any = None) -> Any:
+        """A tuple of per-layer dicts (module docstring): ``window`` ``[num_slots, W, ...]``; compressed layers add
+        ``kv_ring``/``gate_ring`` ``[num_slots, R, F]`` and ``pages`` ``[num_blocks, block / r, ...]``; CSA layers
+        add the same under ``index_*``."""
+        layers = []
+        for spec in self.plan.attention:
+            layer = {
+                "window": zeros(
+                    (num_slots, spec.window, *self.window.item_shape), self.window.item_dtype, sharding
+                )
+            }
+            if spec.kind != SLIDING:
+                per_page = self.block_size // spec.ratio
+                ring, feats = _compressor_feats(spec, spec.head_dim)
+                layer["kv_ring"] = zeros((num_slots, ring, feats), jnp.float32, sharding)
+                layer["gate_ring"] = zeros((num_slots, ring, feats), jnp.float32, sharding)
+                layer["pages"] = zeros(
+                    (num_blocks, per_page, *self.compressed.item_shape), self.compressed.item_dtype, sharding
+                )
+                if spec.kind == CSA:
+                    ring, feats = _compressor_feats(spec, spec.index_dim)
+                    layer["index_kv_ring"] = zeros((num_slots, ring, feats), jnp.float32, sharding)
+                    layer["index_gate_ring"] = zeros((num_slots, ring, feats), jnp.float32, sharding)
+                    layer["index_pages"] = zeros(
+                        (num_blocks, per_page, *self.indexer.item_shape), self.indexer.item_dtype, sharding
+                    )
+            layers.append(layer)
+        return tuple(layers)
+
+    # ------------------------------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        params: Any,
+        cache: Any,
+        token_ids: jax.Array,
+        meta: RaggedMeta,
+        *,
+        tile: int | None,
+        logit_index: jax.Array | None = None,
+    ) -> tuple[jax.Array, Any]:
+        """Float32 logits of the tokens ``logit_index`` (default each row's last token) and the updated cache."""
+        plan = self.plan
+        if len(cache) != plan.num_layers:
+            raise ValueError(f"cache: {len(cache)} layers, the model has {plan.num_layers}")
+        act = jnp.dtype(plan.dtype)
+        x = embed_tokens(params["embed"], token_ids, dtype=act)  # [T, H]
+        streams = jnp.broadcast_to(x[:, None, :], (x.shape[0], plan.hc_mult, x.shape[-1]))
+        new_cache = []
+        for i, (spec, lp) in enumerate(zip(plan.attention, params["layers"], strict=True)):
+            streams, layer_cache = self._layer(lp, spec, i, streams, token_ids, cache[i], meta, tile)
+            new_cache.append(layer_cache)
+
+        def head(s: jax.Array) -> jax.Array:
+            h = hc_head(s, **params["hc_head"], hc_eps=plan.hc_eps, norm_eps=plan.eps)
+            return lm_head(rms_norm(h, params["norm"], eps=plan.eps), params["head"])
+
+        index = meta.last_token() if logit_index is None else logit_index
+        logits = rowwise(head, tile, streams[index])
+        return logits.astype(jnp.float32), tuple(new_cache)
+
+    def _layer(
+        self,
+        lp: Params,
+        spec: AttentionSpec,
+        index: int,
+        streams: jax.Array,
+        token_ids: jax.Array,
+        cache: dict[str, jax.Array],
+        meta: RaggedMeta,
+        tile: int | None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """One decoder layer over the flat batch: ``streams [T, m, H]`` in and out, the layer's cache updated."""
+        plan, numerics = self.plan, self.numerics
+        hc = {"hc_eps": plan.hc_eps, "sinkhorn_iters": plan.hc_sinkhorn_iters, "norm_eps": plan.eps}
+        p = lp["attn"]
+        cos, sin = rope_cos_sin(meta.positions, spec.freqs())  # [T, rope_dim / 2]
+        compressed = spec.kind != SLIDING
+        sparse = spec.kind == CSA
+
+        def project(streams: jax.Array, cos: jax.Array, sin: jax.Array) -> dict[str, jax.Array]:
+            mix = hc_mixes(streams, **lp["hc_attn"], **hc)
+            x = rms_norm(hc_collapse(streams, mix.pre), lp["attn_norm"], eps=plan.eps)[None]  # [1, t, H]
+            c, s = cos[None], sin[None]
+            t = x.shape[1]
+            q_res = rms_norm(linear(x, p["wq_a"], numerics), p["q_norm"], eps=spec.eps)
+            q = linear(q_res, p["wq_b"], numerics).reshape(1, t, spec.heads, spec.head_dim)
+            q = apply_rope(rms_norm(q, None, eps=spec.eps), c, s, rope_dim=spec.rope_dim)
+            kv = rms_norm(linear(x, p["wkv"], numerics), p["kv_norm"], eps=spec.eps)
+            kv = apply_rope(kv, c, s, rope_dim=spec.rope_dim)
+            out = {"post": mix.post, "comb": mix.comb, "q": q[0], "kv": kv[0]}
+            if compressed:
+                cp = p["compressor"]
+                out["a"] = linear(x, cp["wkv"], numerics, out_dtype=jnp.float32)[0]
+                out["g"] = linear(x, cp["wgate"], numerics, out_dtype=jnp.float32)[0]
+            if sparse:
+                ip = p["indexer"]
+                out["ia"] = linear(x, ip["compressor"]["wkv"], numerics, out_dtype=jnp.float32)[0]
+                out["ig"] = linear(x, ip["compressor"]["wgate"], numerics, out_dtype=jnp.float32)[0]
+                qi = linear(q_res, ip["wq_b"], numerics).reshape(1, t, spec.index_heads, spec.index_dim)
+                out["qi"] = kv_cast(apply_rope(qi, c, s, rope_dim=spec.rope_dim), spec.casts.indexer)[0]
+                scale = (spec.index_dim**-0.5) * (spec.index_heads**-0.5)
+                w = linear(x, ip["weights_proj"], numerics, out_dtype=jnp.float32)
+                out["w"] = (w.astype(x.dtype).astype(jnp.float32) * jnp.float32(scale))[0]
+            return out
+
+        pr = rowwise(project, tile, streams, cos, sin)
+        act = pr["q"].dtype
+        cache = dict(cache)
+
+        # Window: this step's keys (as stored) or the slot's ring, for positions p - W + 1 .. p.
+        stored_kv = self.window.encode(pr["kv"])
+        items, present = history(cache["window"], stored_kv, meta, spec.window)
+        cache["window"] = ring_write(cache["window"], stored_kv, meta)
+        scale = spec.head_dim**-0.5
+        q = pr["q"]
+        state = pw.attend_dense(q, self.window.decode(items, act), present, scale=scale)
+
+        if compressed:
+            cp = p["compressor"]
+            cache["kv_ring"], cache["gate_ring"], cache["pages"] = self._compress(
+                cache["kv_ring"],
+                cache["gate_ring"],
+                cache["pages"],
+                pr["a"],
+                pr["g"],
+                cp,
+                spec,
+                meta,
+                self.compressed,
+                act,
+            )
+            if sparse:
+                icp = p["indexer"]["compressor"]
+                cache["index_kv_ring"], cache["index_gate_ring"], cache["index_pages"] = self._compress(
+                    cache["index_kv_ring"],
+                    cache["index_gate_ring"],
+                    cache["index_pages"],
+                    pr["ia"],
+                    pr["ig"],
+                    icp,
+                    spec,
+                    meta,
+                    self.indexer,
+                    act,
+                )
+                state = pw.merge_softmax(
+                    state, self._sparse_part(q, pr["qi"], pr["w"], cache, spec, meta, act)
+                )
+            else:
+                state = pw.merge_softmax(
+                    state,
+                    pw.paged_attend_all(
+                        q,
+                        cache["pages"],
+                        meta,
+                        ratio=spec.ratio,
+                        block_size=self.block_size,
+                        scale=scale,
+                        chunk=self.walk_chunk,
+                        decode=lambda e: self.compressed.decode(e, act),
+                    ),
+                )
+        attn = pw.finish_softmax(state, p["sinks"]).astype(act)
+
+        def finish(
+            streams: jax.Array,
+            attn: jax.Array,
+            post: jax.Array,
+            comb: jax.Array,
+            ids: jax.Array,
+            cos: jax.Array,
+            sin: jax.Array,
+        ) -> jax.Array:
+            out = apply_rope(attn[None], cos[None], sin[None], rope_dim=spec.rope_dim, inverse=True)
+            y = grouped_output_projection(
+                out, p["wo_a"], p["wo_b"], groups=spec.o_groups, rank=spec.o_rank, numerics=numerics
+            )[0]
+            streams = hc_expand(streams, y, post, comb)
+            mix = hc_mixes(streams, **lp["hc_ffn"], **hc)
+            xn = rms_norm(hc_collapse(streams, mix.pre), lp["ffn_norm"], eps=plan.eps)
+            f = moe_layer(
+                lp["ffn"], xn[None], ids[None], plan, numerics, hashed=plan.mlp_types[index] == "hash_moe"
+            )[0]
+            return hc_expand(streams, f, mix.post, mix.comb)
+
+        streams = rowwise(finish, tile, streams, attn, pr["post"], pr["comb"], token_ids, cos, sin)
+        return streams, cache
+
+    def _compress(
+        self,
+        kv_ring: jax.Array,
+        gate_ring: jax.Array,
+        pages: jax.Array,
+        kv: jax.Array,
+        gate: jax.Array,
+        cp: Params,
+        spec: AttentionSpec,
+        meta: RaggedMeta,
+        store: KeyStore,
+        act: Any,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Emit this step's complete entries of one compressor into ``pages``; advance its projection rings.
+
+        ``kv``/``gate`` ``[T, F]`` are the step's float32 projections (gate without ``ape``). Only the tokens
+        that complete an entry gather the positions it pools: HCA the ``r`` positions of its window, CSA the
+        ``2r`` of the previous and its own window, the previous one through its first ``W`` channels (the
+        ``Ca`` series) and its own through the last ``W`` (``Cb``). Positions before 0 get weight 0 (the first
+        CSA entry has no predecessor). Pooled in float32, rounded to the activation dtype, RMS-normalised,
+        rotated by the compress RoPE to the window's first position and stored in ``store``'s format.
+        """
+        ratio = spec.ratio
+        depth, feats = kv_ring.shape[1], kv_ring.shape[2]
+        width = feats // 2 if spec.kind == CSA else feats
+        emitters = pw.emitting_tokens(meta, ratio)  # [E]
+        (hk, hg), present = pw.history_at((kv_ring, gate_ring), (kv, gate), meta, emitters, depth)
+        # The first pooled position is a multiple of r, so the slot of position j within its window is j % r.
+        ape = jnp.tile(cp["ape"].astype(jnp.float32), (depth // ratio, 1))  # [depth, F]
+        hg = jnp.where(present[..., None], hg + ape, -jnp.inf)
+        if spec.kind == CSA:
+            hk = jnp.concatenate([hk[:, :ratio, :width], hk[:, ratio:, width:]], axis=1)
+            hg = jnp.concatenate([hg[:, :ratio, :width], hg[:, ratio:, width:]], axis=1)
+        # Padding emitters have no position at all: give them finite gates so no NaN is ever computed.
+        hg = jnp.where(jnp.any(present, axis=1)[:, None, None], hg, 0.0)
+        pooled = get_op("v4_compressor_pool")(hk, hg).astype(act)  # [E, W]
+        normed = rms_norm(pooled, cp["norm"], eps=spec.eps)
+        safe = jnp.clip(emitters, 0, meta.num_tokens - 1)
+        first = ((meta.positions[safe] + 1) // ratio - 1) * ratio
+        cos, sin = rope_cos_sin(first, spec.freqs())
+        entries = store.encode(apply_rope(normed, cos, sin, rope_dim=spec.rope_dim))
+        _, _, blocks, offsets = compressed_slots(meta, ratio, self.block_size, pages.shape[0])
+        target = blocks.at[emitters].get(mode="fill", fill_value=pages.shape[0])
+        pages = write_entries(pages, entries, target, offsets.at[emitters].get(mode="fill", fill_value=0))
+        kv_ring, gate_ring = ring_write((kv_ring, gate_ring), (kv, gate), meta)
+        return kv_ring, gate_ring, pages
+
+    def _sparse_part(
+        self,
+        q: jax.Array,
+        qi: jax.Array,
+        weights: jax.Array,
+        cache: dict[str, jax.Array],
+        spec: AttentionSpec,
+        meta: RaggedMeta,
+        act: Any,
+    ) -> pw.SoftmaxState:
+        """CSA: the lightning indexer's ``index_topk`` entries of each token, attended (a softmax part).
+
+        Indexer keys are scored page by page (op ``v4_indexer_scores``, one token against its own page per
+        call), the scores rounded to the mode's score dtype; the best visible entries are then gathered by
+        compressed index, so only ``k`` entries per token ever take full head width.
+        """
+        score_op = get_op("v4_indexer_scores")
+
+        def score(entries: jax.Array) -> jax.Array:
+            keys = self.indexer.decode(entries, act)  # [T, K, Di]
+            return score_op(qi[:, None], keys, weights[:, None])[:, 0]
+
+        scores = pw.paged_scores(
+            cache["index_pages"],
+            meta,
+            score,
+            ratio=spec.ratio,
+            block_size=self.block_size,
+            dtype=spec.score_dtype,
+            chunk=self.walk_chunk,
+        )
+        index = pw.topk_entries(scores, spec.index_topk)
+        stored = gather_entries(cache["pages"], meta, index, spec.ratio, self.block_size)
+        keys = self.compressed.decode(stored, act)
+        return pw.attend_dense(q, keys, index >= 0, scale=spec.head_dim**-0.5)
