@@ -1,0 +1,769 @@
+"""DeepSeek-V4.1 over paged caches and state slots: the cached, incremental path of one engine step.
+
+The full-prefix forward (:mod:`deepinfer_jax.models.deepseek_v4.v41_model`) recomputes every key of a sequence;
+this module runs the same model over one flat ragged batch (prefill chunks and decode tokens of many sequences
+mixed, each row at its own positions) and keeps what later steps need (``spec/engine.md`` §6.3,
+``spec/model.md`` §12.3.4, §14):
+
+* **Window rings** ``[num_slots, W, ...]``, one per backbone layer (a window is never shared): each token reads
+  its own row's positions ``p - W + 1 .. p`` through :func:`~deepinfer_jax.cache.ragged.history` (this step's
+  keys or the ring), then each row's last ``W`` keys are stored (no rollback margin: nothing speculates yet).
+* **Compressed keys** ``k̃`` in pages ``[num_blocks, block // r, ...]`` owned by each KV *source* layer, and
+  **indexer keys** ``k̃i`` in pages owned by each index-K source; consumers own no storage and read (alias) their
+  source's pages. An entry is written by the token that completes it (:func:`emitting_tokens`), in the same
+  step before any layer reads it; visibility (``j < (p + 1) // r``) keeps later entries of the same chunk from
+  earlier tokens.
+* **C2 pending state**: the float32 projections ``(a, g)`` of the last ``r`` tokens of each ratio-2 KV source, a
+  per-slot ring; the token closing a pair pools its predecessor's projections with its own.
+* **Engram history**: the last ``Nmax - 1`` compressed ids of each sequence, a per-slot ring, so the n-grams of
+  a chunk see the tokens before it (:func:`~deepinfer_jax.models.deepseek_v4.engram.ngram_ids`).
+
+Within a step the values a source layer produces for its consumers travel in :class:`_StepCross`, as
+:class:`~deepinfer_jax.models.deepseek_v4.v41_attention.CrossLayer` does in the full forward: the YOCO shared
+hidden of this step's tokens, the pre-RoPE ``P`` of the entries emitted in this step (for the indexer keys), the
+top-k selection as compressed indices ``[T, k]`` and the candidate-block mask ``[T, NB]``.
+
+Temporary memory follows what each token reads: its window ``[T, W, D]``, its ``k`` selected entries
+``[T, k, D]`` (gathered by index), and the indexer keys or compressed keys one page at a time while scoring or
+attending to every visible entry (:mod:`deepinfer_jax.cache.paged_walk`). Only the scores ``[T, entries]`` of the
+whole context are materialised, never its keys.
+
+Numerics are the model's: the projections, pooling op, indexer query and scores, candidate blocks, sink softmax,
+grouped output projection, mHC, Engram and MoE are the model modules' own functions, so in float32 parity mode
+each row's logits equal the full forward's up to float32 reassociation. ``cache_dtype="bfloat16"`` stores the
+production formats of ``ARCHITECTURE.md`` §8 as encoded records (``uint8``; MXFP8 window, FP4 or MXFP8
+compressed, MXFP4 indexer keys, :mod:`deepinfer_jax.numerics.kv_records`), and every reader -- the step that
+wrote a key as well as later ones -- uses the decoded value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.cache.paged_walk import (
+    attend_dense,
+    emitting_tokens,
+    finish_softmax,
+    history_at,
+    merge_softmax,
+    paged_scores,
+    topk_entries,
+    walk_pages,
+)
+from deepinfer_jax.cache.ragged import (
+    RaggedMeta,
+    compressed_slots,
+    gather_entries,
+    history,
+    ring_write,
+    write_entries,
+)
+from deepinfer_jax.engine.paged_model import CacheLayout, PagedModel, rowwise, zeros
+from deepinfer_jax.models.common.embedding import embed_tokens, lm_head
+from deepinfer_jax.models.common.linear import LinearNumerics, linear
+from deepinfer_jax.models.deepseek_v4 import family_v41
+from deepinfer_jax.models.deepseek_v4.attention import grouped_output_projection
+from deepinfer_jax.models.deepseek_v4.compressor import visible_entries
+from deepinfer_jax.models.deepseek_v4.engram import engram_layer, hash_rows, ngram_ids
+from deepinfer_jax.models.deepseek_v4.mhc import hc_collapse, hc_expand, hc_head, hc_mixes
+from deepinfer_jax.models.deepseek_v4.plan_v41 import V41LayerPlan
+from deepinfer_jax.models.deepseek_v4.v41_attention import V41AttentionSpec
+from deepinfer_jax.models.deepseek_v4.v41_compressor import (
+    candidate_blocks,
+    compress_kv,
+    indexer_keys,
+    indexer_query,
+    indexer_scores,
+    restrict_to_candidates,
+)
+from deepinfer_jax.models.deepseek_v4.v41_model import V41Static, moe_layer
+from deepinfer_jax.numerics.activation import kv_cast
+from deepinfer_jax.numerics.formats import (
+    RecordFormat,
+    compressed_record_format,
+    indexer_record_format,
+    window_record_format,
+)
+from deepinfer_jax.numerics.kv_records import decode_records, encode_records
+from deepinfer_jax.ops import apply_rope, rms_norm, rope_cos_sin
+from deepinfer_jax.ops import get as get_op
+
+__all__ = ["V41PagedModel"]
+
+Params = Mapping[str, Any]
+_CACHE_DTYPES = ("float32", "bfloat16")
+_MODES = ("float32", "bfloat16")
+
+
+# ------------------------------------------------------------------------------------------- storage
+
+
+@dataclasses.dataclass(frozen=True)
+class _Store:
+    """How one kind of key is kept: unquantised float32 values, or encoded records of a production format.
+
+    ``get`` decodes exactly what ``put`` stored, and every reader goes through it (:meth:`store`).
+    """
+
+    width: int
+    fmt: RecordFormat | None
+
+    @property
+    def item_shape(self) -> tuple[int, ...]:
+        return (self.width,) if self.fmt is None else (self.fmt.record_bytes,)
+
+    @property
+    def item_dtype(self) -> Any:
+        return jnp.float32 if self.fmt is None else jnp.uint8
+
+    @property
+    def item_bytes(self) -> int:
+        return self.width * 4 if self.fmt is None else self.fmt.record_bytes
+
+    def put(self, values: jax.Array) -> jax.Array:
+        if self.fmt is None:
+            return values.astype(jnp.float32)
+        return encode_records(values.astype(jnp.float32), self.fmt)
+
+    def get(self, stored: jax.Array, dtype: Any) -> jax.Array:
+        if self.fmt is None:
+            return stored.astype(dtype)
+        return decode_records(stored, self.fmt, dtype=dtype)
+
+    def store(self, values: jax.Array, cast: str) -> jax.Array:
+        """What to store for new keys ``values``; every reader, the writing step included, reads it back with
+        :meth:`get`.
+
+        Unquantised storage keeps the model's own cast of the keys (``cast``; ``"none"`` in parity mode).
+        Records are encoded from ``values`` once: the record format *is* the production cast, so a key read
+        back in a later step equals the one the writing step attended to, bit for bit.
+        """
+        return self.put(values if self.fmt is not None else kv_cast(values, cast).astype(values.dtype))
+
+
+# ------------------------------------------------------------------------------------- per-step cross
+
+
+class _StepCross(NamedTuple):
+    """What source layers hand to later layers within one step (the ragged :class:`CrossLayer`).
+
+    Attributes:
+        shared_hidden: ``ĥ [T, H]`` of this step's tokens (the attention-norm output of ``n_prefill_layer``).
+        emitted: int32 ``[E]`` the tokens that complete a compressed entry of the current KV segment
+            (``T`` = none), and ``pre_rope`` ``P [E, D]`` of those entries.
+        selection: ``[T, k]`` compressed indices selected by the current index source (``-1`` = none).
+        candidates: ``[T, NB]`` candidate-block mask of the candidate source.
+    """
+
+    shared_hidden: jax.Array | None = None
+    emitted: jax.Array | None = None
+    pre_rope: jax.Array | None = None
+    selection: jax.Array | None = None
+    candidates: jax.Array | None = None
+
+
+def _describe(store: _Store) -> str:
+    """A record format in words, e.g. ``"e2m1 + e4m3 scales per 16"``."""
+    fmt = store.fmt
+    if fmt is None:
+        return "float32"
+    return f"{fmt.element} + {fmt.scale} scales per {fmt.group_size}"
+
+
+def _at(values: jax.Array, index: jax.Array, fill: Any = 0) -> jax.Array:
+    """``values[index]`` along axis 0 with out-of-range indices reading ``fill``."""
+    return values.at[index].get(mode="fill", fill_value=fill)
+
+
+def _rotate_at(x: jax.Array, positions: jax.Array, freqs: jax.Array, rope_dim: int) -> jax.Array:
+    """RoPE of ``x [N, D]`` (one vector per row) at ``positions [N]`` on its last ``rope_dim`` dims."""
+    cos, sin = rope_cos_sin(positions, freqs)
+    return apply_rope(x, cos, sin, rope_dim=rope_dim)
+
+
+# ------------------------------------------------------------------------------------------ the model
+
+
+@dataclasses.dataclass(frozen=True)
+class V41PagedModel(PagedModel):
+    """DeepSeek-V4.1 as the engine step runs it (module docstring).
+
+    Attributes:
+        static: the model's :class:`~deepinfer_jax.models.deepseek_v4.v41_model.V41Static` (plan, attention
+            specs, numerics, Engram layout) in the precision mode ``dtype``.
+        block_size: tokens per cache block (a multiple of every compress ratio: a page holds ``block / r``
+            compressed entries).
+        dtype: the precision mode, ``"float32"`` (parity) or ``"bfloat16"`` (production).
+        cache_dtype: ``"float32"`` (unquantised float32 keys) or ``"bfloat16"`` (the production record formats).
+        head_dim, index_head_dim, use_fp4: the cache widths and the compressed format.
+    """
+
+    static: V41Static
+    block_size: int
+    dtype: str
+    cache_dtype: str
+    head_dim: int
+    index_head_dim: int
+    use_fp4: bool
+
+    @classmethod
+    def create(cls, model: Any, *, block_size: int, dtype: str, cache_dtype: str) -> V41PagedModel:
+        """The paged model of a loaded V4.1 model (``load_model``'s result), refusing what it cannot page.
+
+        Raises:
+            TypeError: ``block_size`` is not an int.
+            ValueError: a ``dtype`` / ``cache_dtype`` outside ``("float32", "bfloat16")``, parameters assembled
+                in another precision mode, or a ``block_size`` that some compress ratio does not divide.
+        """
+        if dtype not in _MODES:
+            raise ValueError(f"dtype: {dtype!r} is not a precision mode; expected one of {_MODES}")
+        if cache_dtype not in _CACHE_DTYPES:
+            raise ValueError(
+                f"cache_dtype: {cache_dtype!r} is not supported; expected one of {_CACHE_DTYPES}"
+            )
+        cfg = model.config
+        mode = family_v41.precision_mode(model.params)
+        if mode != dtype:
+            raise ValueError(f"dtype: {dtype!r}, but the model's parameters were assembled in {mode!r} mode")
+        static = family_v41.static_for(cfg, dtype)
+        out = cls(
+            static=static,
+            block_size=block_size,
+            dtype=dtype,
+            cache_dtype=cache_dtype,
+            head_dim=int(cfg.head_dim),
+            index_head_dim=int(cfg.index_head_dim or 0),
+            use_fp4=cfg.use_fp4_sparse_kv is not False,
+        )
+        out.check_block_size(block_size)
+        return out
+
+    # -------------------------------------------------------------------------------- static facts
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.static.vocab_size)
+
+    @property
+    def layers(self) -> tuple[V41LayerPlan, ...]:
+        return self.static.plan.layers
+
+    def check_block_size(self, block_size: int) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int):
+            raise TypeError(f"block_size: expected an int, got {type(block_size).__name__} ({block_size!r})")
+        for lp in self.layers:
+            if lp.ratio and block_size % lp.ratio:
+                raise ValueError(
+                    f"block_size = {block_size}: compress_ratios[{lp.layer}] = {lp.ratio} must divide the cache "
+                    "block (a page holds block_size / ratio compressed entries)"
+                )
+
+    @functools.cached_property
+    def kv_sources(self) -> tuple[int, ...]:
+        """Layers owning compressed-key pages, in layer order."""
+        return tuple(lp.layer for lp in self.layers if lp.is_kv_source)
+
+    @functools.cached_property
+    def index_k_sources(self) -> tuple[int, ...]:
+        """Layers owning indexer-key pages, in layer order."""
+        return tuple(lp.layer for lp in self.layers if lp.is_index_k_source)
+
+    @functools.cached_property
+    def pending_sources(self) -> tuple[int, ...]:
+        """Ratio-2 KV sources: they keep the projections of an incomplete pair in the state slot."""
+        return tuple(lp.layer for lp in self.layers if lp.is_kv_source and lp.ratio > 1)
+
+    @property
+    def window(self) -> int:
+        return int(self.static.attention[0].window)
+
+    @property
+    def engram_depth(self) -> int:
+        """Compressed ids each token's n-grams look back (``Nmax - 1``); 0 without Engram."""
+        return 0 if self.static.engram is None else self.static.engram.max_ngram_size - 1
+
+    @property
+    def production(self) -> bool:
+        return self.cache_dtype == "bfloat16"
+
+    def window_store(self) -> _Store:
+        return _Store(self.head_dim, window_record_format(self.head_dim) if self.production else None)
+
+    def compressed_store(self) -> _Store:
+        fmt = compressed_record_format(self.head_dim, use_fp4=self.use_fp4) if self.production else None
+        return _Store(self.head_dim, fmt)
+
+    def indexer_store(self) -> _Store:
+        fmt = indexer_record_format(self.index_head_dim) if self.production and self.index_k_sources else None
+        return _Store(self.index_head_dim, fmt)
+
+    def _ratio(self, layer: int) -> int:
+        return self.layers[layer].ratio
+
+    # ---------------------------------------------------------------------------------- memory plan
+
+    def layout(self) -> CacheLayout:
+        wnd, cmp, idx = self.window_store(), self.compressed_store(), self.indexer_store()
+        kv_block = sum((self.block_size // self._ratio(s)) * cmp.item_bytes for s in self.kv_sources)
+        ik_block = sum((self.block_size // self._ratio(s)) * idx.item_bytes for s in self.index_k_sources)
+        num_layers = len(self.layers)
+        window_slot = num_layers * self.window * wnd.item_bytes
+        pending_slot = sum(2 * self._ratio(s) * self.head_dim * 4 for s in self.pending_sources)
+        engram_slot = self.engram_depth * 4
+        if self.production:
+            kinds = [f"window {_describe(wnd)}", f"compressed {_describe(cmp)}"]
+            kinds += [f"indexer {_describe(idx)}"] if self.index_k_sources else []
+            dtype = f"records ({', '.join(kinds)})"
+        else:
+            dtype = "float32"
+
+        def owners(layers: tuple[int, ...]) -> str:
+            ratios = sorted({self._ratio(s) for s in layers})
+            return f"{len(layers)} owning layer(s) {list(layers)}, ratio(s) {ratios}"
+
+        lines = [
+            f"window ring: {self.window} positions x {wnd.item_bytes} B ({_describe(wnd)}, {self.head_dim} values) per layer, "
+            f"{num_layers} layers (every layer owns its window) = {window_slot} B per slot",
+            f"compressed keys: {cmp.item_bytes} B per entry ({_describe(cmp)}, {self.head_dim} values), block / ratio entries per "
+            f"page, {owners(self.kv_sources)} (consumers alias them) = {kv_block} B per block",
+        ]
+        if self.index_k_sources:
+            lines.append(
+                f"indexer keys: {idx.item_bytes} B per entry ({_describe(idx)}, {self.index_head_dim} values), "
+                f"{owners(self.index_k_sources)} = {ik_block} B per block"
+            )
+        if self.pending_sources:
+            lines.append(
+                f"C2 pending state: float32 (a, g) of the last ratio tokens x {self.head_dim}, "
+                f"{len(self.pending_sources)} ratio-2 KV source(s) {list(self.pending_sources)} = {pending_slot} B "
+                "per slot"
+            )
+        if self.engram_depth:
+            lines.append(
+                f"Engram history: the last {self.engram_depth} compressed ids (int32) = {engram_slot} B per slot"
+            )
+        return CacheLayout(
+            block_size=self.block_size,
+            bytes_per_block=kv_block + ik_block,
+            bytes_per_slot=window_slot + pending_slot + engram_slot,
+            dtype=dtype,
+            lines=tuple(lines),
+        )
+
+    # ---------------------------------------------------------------------------------------- cache
+
+    def init_cache(self, num_blocks: int, num_slots: int, sharding: Any = None) -> dict[str, Any]:
+        """Zeroed caches: window rings, compressed / indexer pages, C2 pending rings, Engram history."""
+        wnd, cmp, idx = self.window_store(), self.compressed_store(), self.indexer_store()
+
+        def pages(store: _Store, layer: int) -> jax.Array:
+            shape = (num_blocks, self.block_size // self._ratio(layer), *store.item_shape)
+            return zeros(shape, store.item_dtype, sharding)
+
+        cache: dict[str, Any] = {
+            "window": tuple(
+                zeros((num_slots, self.window, *wnd.item_shape), wnd.item_dtype, sharding)
+                for _ in self.layers
+            ),
+            "kv": tuple(pages(cmp, s) for s in self.kv_sources),
+            "ik": tuple(pages(idx, s) for s in self.index_k_sources),
+            "pending": tuple(
+                tuple(
+                    zeros((num_slots, self._ratio(s), self.head_dim), jnp.float32, sharding) for _ in range(2)
+                )
+                for s in self.pending_sources
+            ),
+        }
+        if self.engram_depth:
+            cache["engram"] = zeros((num_slots, self.engram_depth), jnp.int32, sharding)
+        return cache
+
+    # -------------------------------------------------------------------------------------- forward
+
+    def forward(
+        self, params: Any, cache: Any, token_ids: jax.Array, meta: RaggedMeta, *, tile: int | None
+    ) -> tuple[jax.Array, Any]:
+        """Logits ``[S, V]`` of each row's last token and the updated caches (``PagedModel.forward``)."""
+        st = self.static
+        if len(params["layers"]) != len(self.layers):
+            raise ValueError(f"params: {len(params['layers'])} layers, the plan has {len(self.layers)}")
+        cache = dict(cache)
+        cache["window"] = list(cache["window"])
+        cache["kv"] = list(cache["kv"])
+        cache["ik"] = list(cache["ik"])
+        cache["pending"] = list(cache["pending"])
+        tokens = meta.num_tokens
+        m = st.hc_mult
+        x = embed_tokens(params["embed"], token_ids, dtype=jnp.dtype(st.dtype))
+        streams = jnp.broadcast_to(x[:, None, :], (tokens, m, x.shape[-1]))  # §6.2
+        carried_pre = jnp.broadcast_to(jax.nn.one_hot(0, m, dtype=jnp.float32), (tokens, m))
+        grams = None
+        if st.engram is not None:
+            grams, cache["engram"] = self._engram_ngrams(params, token_ids, cache["engram"], meta)
+        cross = _StepCross()
+        for lp, spec, p in zip(self.layers, st.attention, params["layers"], strict=True):
+            if lp.has_engram:
+                assert grams is not None and st.engram is not None and lp.engram_slot is not None
+                rows = hash_rows(grams, st.engram, lp.engram_slot)
+                streams = rowwise(
+                    lambda s, r, p=p: engram_layer(p["engram"], s, r, eps=st.eps, numerics=st.numerics),
+                    tile,
+                    streams,
+                    rows,
+                )
+            streams, carried_pre, cross, cache = self._attention_sublayer(
+                p, lp, spec, streams, carried_pre, cross, cache, meta, tile
+            )
+            streams, carried_pre = rowwise(
+                lambda s, c, p=p: self._ffn_sublayer(p, s, c), tile, streams, carried_pre
+            )
+        last = meta.last_token()
+
+        def head(s: jax.Array, c: jax.Array) -> jax.Array:
+            if st.hc_shifted:
+                h = hc_collapse(s, c)  # §6.5: the last FFN's own pre-mix
+            else:
+                h = hc_head(s, **params["hc_head"], hc_eps=st.hc_eps, norm_eps=st.eps)
+            return lm_head(rms_norm(h, params["norm"], eps=st.eps), params["head"])
+
+        logits = rowwise(head, tile, streams[last], carried_pre[last])
+        cache["window"] = tuple(cache["window"])
+        cache["kv"] = tuple(cache["kv"])
+        cache["ik"] = tuple(cache["ik"])
+        cache["pending"] = tuple(cache["pending"])
+        return logits, cache
+
+    # ---------------------------------------------------------------------------------------- Engram
+
+    def _engram_ngrams(
+        self, params: Params, token_ids: jax.Array, ring: jax.Array, meta: RaggedMeta
+    ) -> tuple[jax.Array, jax.Array]:
+        """N-gram ids ``[T, Nmax]`` of every token with its row's earlier compressed ids, and the new ring."""
+        layout = self.static.engram
+        assert layout is not None
+        table = params.get("engram_compress")
+        if table is None or table.shape != (self.vocab_size,):
+            raise ValueError(
+                "params['engram_compress']: Engram layers need the raw -> compressed id table of §9.1 with shape "
+                f"({self.vocab_size},), got {None if table is None else table.shape}"
+            )
+        compressed = jnp.take(table, token_ids, axis=0).astype(jnp.int32)
+        items, present = history(ring, compressed, meta, layout.max_ngram_size)
+        before = jnp.where(present[:, :-1], items[:, :-1], layout.pad_id)  # positions p-Nmax+1 .. p-1
+        grams, _ = ngram_ids(
+            compressed[:, None], before, max_ngram_size=layout.max_ngram_size, pad_id=layout.pad_id
+        )
+        return grams[:, 0], ring_write(ring, compressed, meta)
+
+    # ------------------------------------------------------------------------------------ sub-layers
+
+    def _mix(
+        self, streams: jax.Array, hc: Mapping[str, jax.Array], carried_pre: jax.Array
+    ) -> tuple[jax.Array, Any]:
+        """The HC mixes of a sub-layer and the read ``x`` (the shifted schedule reads the carried pre-mix)."""
+        st = self.static
+        mix = hc_mixes(streams, **hc, hc_eps=st.hc_eps, sinkhorn_iters=st.hc_sinkhorn_iters, norm_eps=st.eps)
+        return hc_collapse(streams, carried_pre if st.hc_shifted else mix.pre), mix
+
+    def _ffn_sublayer(
+        self, p: Params, streams: jax.Array, carried_pre: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        st = self.static
+        x, mix = self._mix(streams, p["hc_ffn"], carried_pre)
+        y = moe_layer(p["ffn"], rms_norm(x, p["ffn_norm"], eps=st.eps)[None], st)[0]
+        return hc_expand(streams, y, mix.post, mix.comb), mix.pre
+
+    def _attention_sublayer(
+        self,
+        p: Params,
+        lp: V41LayerPlan,
+        spec: V41AttentionSpec,
+        streams: jax.Array,
+        carried_pre: jax.Array,
+        cross: _StepCross,
+        cache: dict[str, Any],
+        meta: RaggedMeta,
+        tile: int | None,
+    ) -> tuple[jax.Array, jax.Array, _StepCross, dict[str, Any]]:
+        """One layer's attention sub-layer (§6.4 around §7.11) over the flat batch."""
+        st = self.static
+        a = p["attn"]
+        freqs = spec.freqs()
+        cos, sin = rope_cos_sin(meta.positions, freqs)
+
+        def project(s: jax.Array, c: jax.Array, cs: jax.Array, sn: jax.Array) -> tuple[jax.Array, ...]:
+            x, mix = self._mix(s, p["hc_attn"], c)
+            x_hat = rms_norm(x, p["attn_norm"], eps=st.eps)
+            q_latent = rms_norm(linear(x_hat, a["wq_a"], st.numerics), a["q_norm"], eps=spec.eps)
+            q = linear(q_latent, a["wq_b"], st.numerics).reshape(-1, spec.heads, spec.head_dim)
+            q = apply_rope(q, cs, sn, rope_dim=spec.rope_dim)
+            kv = rms_norm(linear(x_hat, a["wkv"], st.numerics), a["kv_norm"], eps=spec.eps)
+            kv = apply_rope(kv, cs, sn, rope_dim=spec.rope_dim)
+            return mix.pre, mix.post, mix.comb, x_hat, q_latent, q, kv
+
+        pre, post, comb, x_hat, q_latent, q, kv = rowwise(project, tile, streams, carried_pre, cos, sin)
+        if lp.captures_shared_hidden:
+            cross = cross._replace(shared_hidden=x_hat)
+
+        # Window keys (§7.2): this step's keys, read back in the window format, then the row's last W stored.
+        wnd = self.window_store()
+        new = wnd.store(kv, spec.casts.window_keys)
+        ring = cache["window"][lp.layer]
+        stored, present = history(ring, new, meta, spec.window)
+        cache["window"][lp.layer] = ring_write(ring, new, meta)
+        window_keys = wnd.get(stored, x_hat.dtype)  # [T, W, D]
+
+        scale = spec.head_dim**-0.5
+        if not lp.is_compressed:
+            out = get_op("v4_sink_attention")(
+                q[:, None], window_keys, present[:, None], a["sinks"], scale=scale
+            )[:, 0]
+        else:
+            if lp.is_kv_source or lp.is_index_k_source:
+                cross, cache = self._compressed_writes(p, lp, spec, x_hat, cross, cache, meta, tile)
+            out, cross = self._compressed_attention(
+                p, lp, spec, x_hat, q_latent, q, window_keys, present, cross, cache, meta, tile
+            )
+
+        def finish(o: jax.Array, cs: jax.Array, sn: jax.Array) -> jax.Array:
+            o = apply_rope(o, cs, sn, rope_dim=spec.rope_dim, inverse=True)
+            return grouped_output_projection(
+                o[None], a["wo_a"], a["wo_b"], groups=spec.o_groups, rank=spec.o_rank, numerics=st.numerics
+            )[0]
+
+        y = rowwise(finish, tile, out, cos, sin)
+        return hc_expand(streams, y, post, comb), pre, cross, cache
+
+    # ------------------------------------------------------------------------- compressed entries
+
+    def _compressed_writes(
+        self,
+        p: Params,
+        lp: V41LayerPlan,
+        spec: V41AttentionSpec,
+        x_hat: jax.Array,
+        cross: _StepCross,
+        cache: dict[str, Any],
+        meta: RaggedMeta,
+        tile: int | None,
+    ) -> tuple[_StepCross, dict[str, Any]]:
+        """A KV source's new compressed keys and an index-K source's new indexer keys, written to their pages."""
+        ratio, freqs = spec.ratio, spec.freqs()
+        emitted = emitting_tokens(meta, ratio) if lp.is_kv_source else cross.emitted
+        if emitted is None:
+            raise ValueError(
+                f"layer {lp.layer} reads the compressed keys of layer {lp.kv_source}, which has not run in this step"
+            )
+        entry_pos = _at(meta.positions, emitted)  # [E] the emitting token's position p = (c + 1)·r − 1
+        entry_rope = (entry_pos + 1 - ratio).astype(jnp.int32)  # c·r: the entry's first position
+        _, _, blocks, offsets = compressed_slots(
+            meta, ratio, self.block_size, jax.tree.leaves(cache["kv"])[0].shape[0]
+        )
+        blocks = _at(blocks, emitted, fill=jnp.iinfo(jnp.int32).max)
+        offsets = _at(offsets, emitted)
+
+        if lp.is_kv_source:
+            u = x_hat
+            if lp.compressor_input == "shared":
+                if cross.shared_hidden is None:
+                    raise ValueError(
+                        f"layer {lp.layer}: the YOCO shared hidden has not been produced in this step"
+                    )
+                u = cross.shared_hidden
+            pre_rope = self._compress(p["attn"]["compressor"], lp, spec, u, emitted, cache, meta, tile)
+            cmp = self.compressed_store()
+            keys = cmp.store(
+                _rotate_at(pre_rope, entry_rope, freqs, spec.rope_dim), spec.casts.compressed_keys
+            )
+            slot = self.kv_sources.index(lp.layer)
+            cache["kv"][slot] = write_entries(cache["kv"][slot], keys, blocks, offsets)
+            cross = cross._replace(emitted=emitted, pre_rope=pre_rope)
+
+        if lp.is_index_k_source:
+            if cross.pre_rope is None:
+                raise ValueError(
+                    f"layer {lp.layer}: no pre-RoPE compressed KV from layer {lp.kv_source} this step"
+                )
+            ip = p["attn"]["indexer"]
+
+            def project(pr: jax.Array) -> jax.Array:
+                # Rotation at position 0 (an exact identity) and no cast: the entry's own RoPE and the
+                # indexer cast follow below, at the entry's position.
+                return indexer_keys(
+                    pr[:, None],
+                    ip["wk"],
+                    ip["k_norm"],
+                    ratio=ratio,
+                    eps=spec.eps,
+                    rope_freqs=freqs,
+                    rope_dim=spec.rope_dim,
+                    cast="none",
+                )[:, 0]
+
+            ki = rowwise(project, tile, cross.pre_rope)
+            ki = self.indexer_store().store(
+                _rotate_at(ki, entry_rope, freqs, spec.rope_dim), spec.casts.indexer
+            )
+            slot = self.index_k_sources.index(lp.layer)
+            cache["ik"][slot] = write_entries(cache["ik"][slot], ki, blocks, offsets)
+        return cross, cache
+
+    def _compress(
+        self,
+        cp: Params,
+        lp: V41LayerPlan,
+        spec: V41AttentionSpec,
+        u: jax.Array,
+        emitted: jax.Array,
+        cache: dict[str, Any],
+        meta: RaggedMeta,
+        tile: int | None,
+    ) -> jax.Array:
+        """``P [E, D]`` (pre-RoPE, normalised) of the entries the tokens ``emitted`` complete (§7.3)."""
+        if lp.ratio == 1:
+
+            def c1(v: jax.Array) -> jax.Array:
+                # A one-token block of C1 is the token itself: compress_kv's P for a [N, 1, H] input.
+                return compress_kv(
+                    v[:, None],
+                    cp["wkv"],
+                    None,
+                    cp["norm"],
+                    ratio=1,
+                    eps=spec.eps,
+                    rope_freqs=spec.freqs(),
+                    rope_dim=spec.rope_dim,
+                ).pre_rope[:, 0]
+
+            return rowwise(c1, tile, _at(u, emitted))
+
+        dense = LinearNumerics()
+
+        def projections(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+            # §5.2: the C2 projections stay float32 (as compress_kv computes them).
+            a = linear(v, {"weight": cp["wkv"]}, dense, out_dtype=jnp.float32)
+            g = linear(v, {"weight": cp["wgate"]}, dense, out_dtype=jnp.float32)
+            return a, g
+
+        a, g = rowwise(projections, tile, u)
+        slot = self.pending_sources.index(lp.layer)
+        ring = cache["pending"][slot]
+        (pa, pg), _ = history_at(ring, (a, g), meta, emitted, lp.ratio)  # [E, r, D] each
+        cache["pending"][slot] = ring_write(ring, (a, g), meta)
+        c = get_op("v4_compressor_pool")(pa, pg).astype(u.dtype)
+        return rms_norm(c, cp["norm"], eps=spec.eps, out_dtype=u.dtype)
+
+    # -------------------------------------------------------------------------- compressed attention
+
+    def _compressed_attention(
+        self,
+        p: Params,
+        lp: V41LayerPlan,
+        spec: V41AttentionSpec,
+        x_hat: jax.Array,
+        q_latent: jax.Array,
+        q: jax.Array,
+        window_keys: jax.Array,
+        window_present: jax.Array,
+        cross: _StepCross,
+        cache: dict[str, Any],
+        meta: RaggedMeta,
+        tile: int | None,
+    ) -> tuple[jax.Array, _StepCross]:
+        """Sink attention over the window plus the selected (or, without an indexer, all visible) entries."""
+        ratio = spec.ratio
+        a = p["attn"]
+        cmp = self.compressed_store()
+        kv_pages = cache["kv"][self.kv_sources.index(lp.kv_source)]
+        scale = spec.head_dim**-0.5
+        if not lp.uses_indexer:
+            # index_topk = 0: every visible compressed key, one page at a time, merged with the window.
+            def body(i: Any, entries: jax.Array, index: jax.Array, visible: jax.Array, state: Any) -> Any:
+                keys = cmp.get(entries, x_hat.dtype)
+                return merge_softmax(state, attend_dense(q, keys, visible, scale=scale))
+
+            state = attend_dense(q, window_keys, window_present, scale=scale)
+            state = walk_pages(kv_pages, meta, body, state, ratio=ratio, block_size=self.block_size)
+            return finish_softmax(state, a["sinks"]).astype(q.dtype), cross
+
+        if lp.is_index_source:
+            cross = self._select(p, lp, spec, x_hat, q_latent, cross, cache, meta, tile)
+        if cross.selection is None:
+            raise ValueError(f"layer {lp.layer}: no top-k selection from layer {lp.index_source} this step")
+        index = cross.selection  # [T, k]
+        keys = cmp.get(gather_entries(kv_pages, meta, index, ratio, self.block_size), x_hat.dtype)
+        keys = jnp.concatenate([window_keys, keys.astype(window_keys.dtype)], axis=1)
+        mask = jnp.concatenate([window_present, (index >= 0) & meta.valid[:, None]], axis=1)
+        out = get_op("v4_sink_attention")(q[:, None], keys, mask[:, None], a["sinks"], scale=scale)[:, 0]
+        return out, cross
+
+    def _select(
+        self,
+        p: Params,
+        lp: V41LayerPlan,
+        spec: V41AttentionSpec,
+        x_hat: jax.Array,
+        q_latent: jax.Array,
+        cross: _StepCross,
+        cache: dict[str, Any],
+        meta: RaggedMeta,
+        tile: int | None,
+    ) -> _StepCross:
+        """An index source's ``Sel(p)`` (and the candidate source's ``Cand(p)``), scoring one page at a time."""
+        st = self.static
+        ratio, ip = spec.ratio, p["attn"]["indexer"]
+
+        def query(ql: jax.Array, xh: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+            qi, wi = indexer_query(
+                ql[None],
+                xh[None],
+                ip["wq_b"],
+                ip["weights_proj"],
+                pos[None],
+                n_heads=spec.index_heads,
+                rope_freqs=spec.freqs(),
+                rope_dim=spec.rope_dim,
+                numerics=st.numerics,
+                ratio=ratio,
+                cast=spec.casts.indexer,
+            )
+            return qi[0], wi[0]
+
+        qi, wi = rowwise(query, tile, q_latent, x_hat, meta.positions)  # [T, Hi, Di], [T, Hi]
+        idx = self.indexer_store()
+        pages = cache["ik"][self.index_k_sources.index(lp.index_k_source)]
+        score_dtype = jnp.dtype(spec.score_dtype)
+
+        def score(entries: jax.Array) -> jax.Array:
+            keys = idx.get(entries, qi.dtype)  # [T, E, Di]
+            return indexer_scores(qi[:, None], keys, wi[:, None], score_dtype=score_dtype)[:, 0]
+
+        scores = paged_scores(pages, meta, score, ratio=ratio, block_size=self.block_size, dtype=score_dtype)
+        num = scores.shape[-1]
+        allowed = visible_entries(meta.positions, ratio, num) & meta.valid[:, None]
+        if lp.is_candidate_consumer:
+            if cross.candidates is None:
+                raise ValueError(
+                    f"layer {lp.layer}: no candidate blocks from layer {lp.candidate_source} this step"
+                )
+            assert spec.candidate_block_size is not None
+            allowed = allowed & restrict_to_candidates(cross.candidates, spec.candidate_block_size, num)
+        masked = jnp.where(allowed, scores, jnp.asarray(-jnp.inf, scores.dtype))
+        cross = cross._replace(selection=topk_entries(masked, spec.index_topk))
+        if lp.is_candidate_source:
+            assert spec.candidate_block_size is not None and spec.candidate_topk_blocks is not None
+            cand = candidate_blocks(
+                scores,
+                meta.positions,
+                ratio=ratio,
+                block_size=spec.candidate_block_size,
+                topk_blocks=spec.candidate_topk_blocks,
+            )
+            cross = cross._replace(candidates=cand)
+        return cross
