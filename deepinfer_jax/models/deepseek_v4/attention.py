@@ -16,6 +16,13 @@ Per layer (model.md §7, transformers' ``DeepseekV4Attention``), for normalised 
 Sliding-window-only layers use the main RoPE; compressed layers, their compressors and the indexer query use the
 compress RoPE (YaRN, no magnitude factor). The sliding window is kept incrementally as a ring buffer of the last
 ``sliding_window`` keys (:class:`AttentionState`), so decode cost does not grow with the sequence.
+
+Precision follows the input: float32 ``x`` runs the parity mode, bfloat16 ``x`` the production mode (bf16
+activations at the spec's rounding points, sink softmax in float32). The quantise-dequantise round trips of spec
+§12.4 come from ``AttentionSpec.casts``: window keys are MXFP8-rounded right after RoPE -- before they are used
+by the current chunk *and* before they enter the ring, so prefill and later decode steps attend to the same
+values --, compressed entries are stored FP4-rounded, indexer keys and queries MXFP4-rounded, and indexer scores
+are materialised in ``score_dtype``. All off (``CastPolicy()``) in parity mode.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from deepinfer_jax.models.deepseek_v4.compressor import (
     per_row,
     visible_entries,
 )
+from deepinfer_jax.numerics.activation import CastPolicy, kv_cast
 from deepinfer_jax.ops import apply_rope, register_op, rms_norm, rope_cos_sin
 from deepinfer_jax.ops import get as get_op
 
@@ -60,7 +68,9 @@ class AttentionSpec:
     """Static shape facts of one attention layer (hashable: it is part of the traced program's structure).
 
     ``rope_freqs`` is the per-pair frequency table of the layer's RoPE (main or compress) as a tuple, so the spec
-    stays hashable; ``ratio`` is 0 for sliding-window-only layers.
+    stays hashable; ``ratio`` is 0 for sliding-window-only layers. ``casts`` is the precision mode's
+    :class:`~deepinfer_jax.numerics.activation.CastPolicy` (window / compressed / indexer round trips) and
+    ``score_dtype`` the dtype indexer scores are materialised in (bfloat16 in production mode, spec §7.4).
     """
 
     kind: str
@@ -76,6 +86,8 @@ class AttentionSpec:
     index_heads: int = 0
     index_dim: int = 0
     index_topk: int = 0
+    casts: CastPolicy = dataclasses.field(default_factory=CastPolicy)
+    score_dtype: str = "float32"
 
     def freqs(self) -> jax.Array:
         return jnp.asarray(np.asarray(self.rope_freqs, np.float32))
@@ -92,17 +104,22 @@ class AttentionState(NamedTuple):
 def init_attention_state(
     spec: AttentionSpec, batch: int, max_len: int, dtype: Any = jnp.float32
 ) -> AttentionState:
-    """Empty state for sequences of up to ``max_len`` tokens."""
+    """Empty state for sequences of up to ``max_len`` tokens.
+
+    ``dtype`` is the activation dtype: the window ring and the compressed entries hold keys of that dtype. The
+    compressor tails hold float32 projections whatever the mode (bfloat16 entries sit beside float32 tails).
+    """
     compressor = indexer = None
     if spec.kind != SLIDING:
         capacity = max_len // spec.ratio + 1
         overlap = spec.kind == CSA
+        tails = jnp.promote_types(dtype, jnp.float32)
         compressor = init_compressor_state(
-            batch, spec.ratio, spec.head_dim, capacity, overlap=overlap, dtype=dtype
+            batch, spec.ratio, spec.head_dim, capacity, overlap=overlap, dtype=tails, entries_dtype=dtype
         )
         if spec.kind == CSA:
             indexer = init_compressor_state(
-                batch, spec.ratio, spec.index_dim, capacity, overlap=True, dtype=dtype
+                batch, spec.ratio, spec.index_dim, capacity, overlap=True, dtype=tails, entries_dtype=dtype
             )
     return AttentionState(
         window=jnp.zeros((batch, spec.window, spec.head_dim), dtype), compressor=compressor, indexer=indexer
@@ -235,7 +252,8 @@ def attention_layer(
     q = rms_norm(q, None, eps=spec.eps)
     q = apply_rope(q, cos, sin, rope_dim=spec.rope_dim)
     kv = rms_norm(linear(x, p["wkv"], numerics), p["kv_norm"], eps=spec.eps)
-    kv = apply_rope(kv, cos, sin, rope_dim=spec.rope_dim)
+    # §12.4 item 2: the window cache's format is what every reader sees, the current chunk included.
+    kv = kv_cast(apply_rope(kv, cos, sin, rope_dim=spec.rope_dim), spec.casts.window_keys)
 
     keys, mask, ring = _window_keys(state.window, kv, start, positions, lengths, spec.window)
     compressor_state, indexer_state = state.compressor, state.indexer
@@ -254,6 +272,8 @@ def attention_layer(
             rope_freqs=freqs,
             rope_dim=spec.rope_dim,
             lengths=lengths,
+            entry_dtype=x.dtype,
+            cache_cast=spec.casts.compressed_keys,
         )
         entries = compressor_state.entries
         selected = visible_entries(positions, spec.ratio, entries.shape[1])  # [B, S, capacity]
@@ -275,14 +295,19 @@ def attention_layer(
                 rope_freqs=freqs,
                 rope_dim=spec.rope_dim,
                 lengths=lengths,
+                entry_dtype=x.dtype,
+                cache_cast=spec.casts.indexer,
             )
             qi = linear(q_res, ip["wq_b"], numerics).reshape(b, s, spec.index_heads, spec.index_dim)
-            qi = apply_rope(qi, cos, sin, rope_dim=spec.rope_dim)
+            qi = kv_cast(apply_rope(qi, cos, sin, rope_dim=spec.rope_dim), spec.casts.indexer)
             # transformers' positive scales (Di^-1/2 on the dots, Hi^-1/2 on the weights) change no selection
-            # but are kept so the scores themselves can be compared.
+            # but are kept so the scores themselves can be compared. The head weights are a projection output
+            # like any other: rounded to the activation dtype (a no-op in parity mode) before the scale.
             scale = (spec.index_dim**-0.5) * (spec.index_heads**-0.5)
-            weights = linear(x, ip["weights_proj"], numerics, out_dtype=jnp.float32) * jnp.float32(scale)
+            weights = linear(x, ip["weights_proj"], numerics, out_dtype=jnp.float32)
+            weights = weights.astype(x.dtype).astype(jnp.float32) * jnp.float32(scale)
             scores = get_op("v4_indexer_scores")(qi, indexer_state.entries, weights)
+            scores = scores.astype(spec.score_dtype)
             selected = indexer_select(scores, selected, spec.index_topk)
         keys = jnp.concatenate([keys, entries.astype(keys.dtype)], axis=1)
         mask = jnp.concatenate([mask, selected], axis=2)

@@ -22,6 +22,12 @@ Incremental state (:class:`CompressorState`): the projections of the current, in
 chunk of new tokens is laid out on the window grid behind the tail, every window the chunk completes is pooled
 and written, and the new tail / prev are cut out, so token-by-token decode and one full pass emit the same
 entries. The hot pieces are registered ops: ``v4_compressor_pool`` (gated pooling) and ``v4_indexer_scores``.
+
+Precision (``ARCHITECTURE.md`` §8): the projections, gates and tails are float32 in both modes (spec §5.2 keeps
+compressor projections float32). In the bfloat16 production mode :func:`compress_chunk` rounds the pooled vector
+to bfloat16 before the norm (``entry_dtype``) and stores every entry as its cache format's dequantised value
+(``cache_cast``: FP4 for attended entries, MXFP4 for indexer keys, spec §12.4), so that whoever reads an entry --
+the prefill that wrote it or a later decode step -- reads the same values.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from deepinfer_jax.numerics.activation import kv_cast
 from deepinfer_jax.ops import apply_rope, register_op, rms_norm, rope_cos_sin
 from deepinfer_jax.ops import get as get_op
 
@@ -67,9 +74,20 @@ class CompressorState(NamedTuple):
 
 
 def init_compressor_state(
-    batch: int, ratio: int, width: int, capacity: int, *, overlap: bool, dtype: jnp.dtype = jnp.float32
+    batch: int,
+    ratio: int,
+    width: int,
+    capacity: int,
+    *,
+    overlap: bool,
+    dtype: jnp.dtype = jnp.float32,
+    entries_dtype: jnp.dtype | None = None,
 ) -> CompressorState:
-    """An empty state: no tokens seen, no entries; ``capacity`` entries of width ``width`` can be stored."""
+    """An empty state: no tokens seen, no entries; ``capacity`` entries of width ``width`` can be stored.
+
+    ``dtype`` is the dtype of the projection tails (``prev_kv`` too); ``entries_dtype`` (default ``dtype``) that
+    of the emitted entries, e.g. float32 tails beside bfloat16 entries in production mode.
+    """
     feats = 2 * width if overlap else width
     prev_w = width if overlap else 0
     return CompressorState(
@@ -77,7 +95,7 @@ def init_compressor_state(
         tail_gate=jnp.zeros((batch, ratio, feats), jnp.float32),
         prev_kv=jnp.zeros((batch, ratio, prev_w), dtype),
         prev_gate=jnp.full((batch, ratio, prev_w), -jnp.inf, jnp.float32),
-        entries=jnp.zeros((batch, capacity, width), dtype),
+        entries=jnp.zeros((batch, capacity, width), dtype if entries_dtype is None else entries_dtype),
     )
 
 
@@ -128,6 +146,8 @@ def compress_chunk(
     rope_freqs: jax.Array,
     rope_dim: int,
     lengths: jax.Array | None = None,
+    entry_dtype: jnp.dtype | None = None,
+    cache_cast: str = "none",
 ) -> CompressorState:
     """Feed ``S`` new tokens' projections ``kv``/``gate [B, S, F]`` (row ``b`` at positions ``start[b] ..``).
 
@@ -137,6 +157,11 @@ def compress_chunk(
     default ``S``) is how many of a row's tokens are real: the rest is padding that completes no window (its
     slots land in the tail, where the next real tokens overwrite them). ``ape [r, F]`` is the position bias of
     the window slots.
+
+    ``entry_dtype`` (default: ``kv``'s dtype) is the dtype the pooled vector is rounded to before the norm, and
+    the norm's output dtype (bfloat16 in production mode). ``cache_cast`` names the round trip of
+    :func:`~deepinfer_jax.numerics.activation.kv_cast` applied to each finished entry (after the norm and
+    RoPE) before it is stored: ``"none"`` in float32 parity mode.
 
     Each row is laid out on its own window grid, so rows at different positions (one decoding inside a window
     while another prefills from 0) advance independently; the grid has the same static size for every row
@@ -179,10 +204,12 @@ def compress_chunk(
         )
     else:
         pooled = pool(win_kv, win_gate)
+    if entry_dtype is not None:
+        pooled = pooled.astype(entry_dtype)
     normed = rms_norm(pooled, norm_weight, eps=norm_eps)
     win_index = first_win[:, None] + jnp.arange(n_win, dtype=jnp.int32)  # [B, n_win]
     cos, sin = rope_cos_sin(win_index * ratio, rope_freqs)
-    entries_new = apply_rope(normed, cos, sin, rope_dim=rope_dim)  # [B, n_win, W]
+    entries_new = kv_cast(apply_rope(normed, cos, sin, rope_dim=rope_dim), cache_cast)  # [B, n_win, W]
 
     done = (start + lengths) // ratio  # [B] windows complete after this chunk (absolute count)
     capacity = state.entries.shape[1]

@@ -4,6 +4,10 @@
 ``save_pretrained``) through the shared loader with :func:`.params.checkpoint_contract`, assembles it with
 :func:`.params.assemble_params` and runs :func:`forward_logits` (the full forward; the incremental path is
 :func:`deepinfer_jax.models.deepseek_v4.model.forward_chunk`).
+
+The precision mode follows the parameters: ``load_model(path, "bfloat16")`` assembles bfloat16 weights, and
+:func:`forward_logits` then runs the plan of the production mode (``params["embed"].dtype`` says which), so each
+mode is one compiled forward.
 """
 
 from __future__ import annotations
@@ -12,28 +16,42 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.config.v4 import DeepseekV4Config
 from deepinfer_jax.models.deepseek_v4 import model as v4_model
+from deepinfer_jax.models.deepseek_v4.axes import logical_axes
 from deepinfer_jax.models.deepseek_v4.params import assemble_params, checkpoint_contract, compute_dtype
 from deepinfer_jax.models.registry import ModelFamily
 
-__all__ = ["FAMILY", "forward_logits", "init_params", "plan_for"]
+__all__ = ["FAMILY", "forward_logits", "init_params", "plan_for", "precision_mode"]
 
 IGNORED_TENSORS: tuple[str, ...] = ("mtp.*",)
 """Stored names the loader skips: the MTP draft layers (no V4 reference reads them)."""
 
 
 @functools.lru_cache(maxsize=32)
-def plan_for(cfg: DeepseekV4Config) -> tuple[v4_model.V4Plan, Any]:
-    """``(V4Plan, LinearNumerics)`` of a config, cached (configs are frozen and hashable)."""
-    return v4_model.V4Plan.from_config(cfg), v4_model.numerics_for(cfg)
+def plan_for(cfg: DeepseekV4Config, dtype: str = "float32") -> tuple[v4_model.V4Plan, Any]:
+    """``(V4Plan, LinearNumerics)`` of a config in precision mode ``dtype``, cached (configs are hashable)."""
+    return v4_model.V4Plan.from_config(cfg, dtype), v4_model.numerics_for(cfg, dtype)
+
+
+def precision_mode(params: Any) -> str:
+    """The precision mode parameters were assembled for: the dtype of the embedding table."""
+    if not isinstance(params, dict) or "embed" not in params:
+        raise TypeError(
+            "params: expected the DeepSeek-V4 parameter dict (from assemble_params / init_params)"
+        )
+    return jnp.dtype(params["embed"].dtype).name
 
 
 def forward_logits(params: Any, cfg: DeepseekV4Config, input_ids: jax.Array) -> jax.Array:
-    """Full forward without cache: ``input_ids [B, S]`` -> float32 logits ``[B, S, V]`` (``cfg`` static)."""
-    plan, numerics = plan_for(cfg)
+    """Full forward without cache: ``input_ids [B, S]`` -> float32 logits ``[B, S, V]`` (``cfg`` static).
+
+    Runs the precision mode of ``params`` (:func:`precision_mode`).
+    """
+    plan, numerics = plan_for(cfg, precision_mode(params))
     return v4_model.forward_logits(params, input_ids, plan=plan, numerics=numerics)
 
 
@@ -57,4 +75,5 @@ FAMILY = ModelFamily(
     assemble_params=assemble_params,
     init_params=init_params,
     forward_logits=forward_logits,
+    logical_axes=logical_axes,
 )

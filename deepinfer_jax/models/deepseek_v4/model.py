@@ -16,6 +16,17 @@ the LM head give float32 logits.
 
 :class:`V4Plan` is everything static about a config (dimensions, layer kinds, RoPE tables), hashable so it can be
 a ``jax.jit`` static argument: the layer loop is unrolled at trace time.
+
+Precision modes (``ARCHITECTURE.md`` §8) are part of the plan, so each mode is one compiled forward:
+
+* ``V4Plan.from_config(cfg)`` / ``numerics_for(cfg)`` -- float32 parity mode: float32 activations, FP8/MXFP4
+  weights dequantised weight-only, no round trip.
+* ``V4Plan.from_config(cfg, "bfloat16")`` / ``numerics_for(cfg, "bfloat16")`` -- production mode: bfloat16
+  embeddings, streams and sub-layer outputs at the spec's rounding points (RMSNorm rounds twice, the mHC read and
+  write-back once each, the MoE output once), the MXFP8 activation cast in front of every FP8/MXFP4 GEMM
+  (spec §12.2), and the cache round trips of §12.4 (MXFP8 window keys, FP4 compressed entries, MXFP4 indexer
+  keys and queries, bfloat16 indexer scores). mHC mixes, the router, sinks, softmaxes and the logits stay
+  float32. The parameters must be assembled in the same mode (``assemble_params(..., "bfloat16")``).
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ import numpy as np
 from deepinfer_jax.config.v4 import DeepseekV4Config
 from deepinfer_jax.models.common.embedding import embed_tokens, lm_head
 from deepinfer_jax.models.common.linear import LinearNumerics, linear
-from deepinfer_jax.models.common.mlp import swiglu_mlp
+from deepinfer_jax.models.common.mlp import swiglu
 from deepinfer_jax.models.common.moe import route
 from deepinfer_jax.models.deepseek_v4.attention import (
     AttentionSpec,
@@ -40,6 +51,8 @@ from deepinfer_jax.models.deepseek_v4.attention import (
     init_attention_state,
 )
 from deepinfer_jax.models.deepseek_v4.mhc import hc_collapse, hc_expand, hc_head, hc_mixes
+from deepinfer_jax.models.deepseek_v4.params import compute_dtype
+from deepinfer_jax.numerics.activation import CastPolicy
 from deepinfer_jax.ops import RopeParams, rms_norm
 from deepinfer_jax.ops import get as get_op
 
@@ -58,7 +71,11 @@ CACHE_BLOCK = 128
 
 @dataclasses.dataclass(frozen=True)
 class V4Plan:
-    """Static description of a DeepSeek-V4 model (hashable)."""
+    """Static description of a DeepSeek-V4 model in one precision mode (hashable).
+
+    ``dtype`` is the activation dtype of the mode (``"float32"`` or ``"bfloat16"``) and ``casts`` its
+    quantise-dequantise round trips (also held by each layer's :class:`AttentionSpec`).
+    """
 
     vocab_size: int
     hidden: int
@@ -73,16 +90,21 @@ class V4Plan:
     norm_topk_prob: bool
     routed_scaling_factor: float
     swiglu_limit: float | None
+    dtype: str = "float32"
+    casts: CastPolicy = dataclasses.field(default_factory=CastPolicy)
 
     @property
     def num_layers(self) -> int:
         return len(self.attention)
 
     @classmethod
-    def from_config(cls, cfg: DeepseekV4Config) -> V4Plan:
-        """Derive the plan from a parsed config; every dimension and ratio comes from it."""
+    def from_config(cls, cfg: DeepseekV4Config, dtype: Any = "float32") -> V4Plan:
+        """Derive the plan from a parsed config (every dimension and ratio comes from it) for precision mode
+        ``dtype`` (``"float32"`` parity or ``"bfloat16"`` production)."""
         if not isinstance(cfg, DeepseekV4Config):
             raise TypeError(f"V4Plan.from_config: expected a DeepseekV4Config, got {type(cfg).__name__}")
+        mode = jnp.dtype(compute_dtype(dtype)).name
+        casts = CastPolicy.for_mode("deepseek_v4", mode)
         cfg.require_complete("building a DeepSeek-V4 model")
         rope_dim = cfg.qk_rope_head_dim
         main = tuple(float(f) for f in RopeParams.from_config(cfg.rope).frequencies(rope_dim))
@@ -122,6 +144,8 @@ class V4Plan:
                     index_heads=(cfg.index_n_heads or 0) if csa else 0,
                     index_dim=(cfg.index_head_dim or 0) if csa else 0,
                     index_topk=(cfg.index_topk or 0) if csa else 0,
+                    casts=casts,
+                    score_dtype="float32" if casts.indexer == "none" else "bfloat16",
                 )
             )
         return cls(
@@ -138,22 +162,35 @@ class V4Plan:
             norm_topk_prob=cfg.norm_topk_prob,
             routed_scaling_factor=cfg.routed_scaling_factor,
             swiglu_limit=cfg.swiglu_limit,
+            dtype=mode,
+            casts=casts,
         )
 
 
-def numerics_for(cfg: DeepseekV4Config) -> LinearNumerics:
-    """Parity-mode (float32, weight-only) numerics for the checkpoint's weight formats."""
+def numerics_for(cfg: DeepseekV4Config, dtype: Any = "float32") -> LinearNumerics:
+    """Linear numerics of the checkpoint's weight formats in precision mode ``dtype``.
+
+    Parity mode (float32) dequantises FP8/MXFP4 weights weight-only; production mode (bfloat16) first applies the
+    MXFP8 activation cast of spec §12.2 to every input of an FP8 or MXFP4 GEMM (unquantised weights never see it).
+    """
     q = cfg.quantization
-    return LinearNumerics(block=tuple(q.weight_block_size) if q is not None else None, activation_cast="none")
+    mode = jnp.dtype(compute_dtype(dtype)).name
+    return LinearNumerics(
+        block=tuple(q.weight_block_size) if q is not None else None,
+        activation_cast=CastPolicy.for_mode("deepseek_v4", mode).gemm_input,
+    )
 
 
-def init_state(
-    plan: V4Plan, batch: int, max_len: int, dtype: Any = jnp.float32
-) -> tuple[AttentionState, ...]:
-    """A fresh incremental state for ``batch`` sequences of up to ``max_len`` tokens."""
+def init_state(plan: V4Plan, batch: int, max_len: int, dtype: Any = None) -> tuple[AttentionState, ...]:
+    """A fresh incremental state for ``batch`` sequences of up to ``max_len`` tokens.
+
+    ``dtype`` (default: the plan's activation dtype) is the dtype of the stored keys; the compressor tails are
+    float32 in every mode.
+    """
     for name, value in (("batch", batch), ("max_len", max_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"init_state: {name} must be an int >= 1, got {value!r}")
+    dtype = jnp.dtype(plan.dtype if dtype is None else dtype)
     return tuple(init_attention_state(spec, batch, max_len, dtype) for spec in plan.attention)
 
 
@@ -166,7 +203,10 @@ def moe_layer(
     *,
     hashed: bool,
 ) -> jax.Array:
-    """The MoE FFN for normalised ``x [B, S, H]``: routed experts (hash or score routed) plus shared experts."""
+    """The MoE FFN for normalised ``x [B, S, H]``: routed experts (hash or score routed) plus shared experts.
+
+    The routed sum and the shared experts' output meet in float32 and are rounded once to ``x.dtype``.
+    """
     b, s, h = x.shape
     flat = x.reshape(b * s, h)
     logits = linear(flat, p["gate"], numerics, out_dtype=jnp.float32)
@@ -181,11 +221,31 @@ def moe_layer(
         expert_ids=expert_ids,
     )
     out = get_op("moe_experts")(
-        flat, routing, p["experts"], numerics, swiglu_limit=plan.swiglu_limit, weight_before_down=True
+        flat,
+        routing,
+        p["experts"],
+        numerics,
+        swiglu_limit=plan.swiglu_limit,
+        weight_before_down=True,
+        out_dtype=jnp.float32,
     )
     if "shared" in p:
-        out = out + swiglu_mlp(flat, p["shared"], numerics, limit=plan.swiglu_limit)
-    return out.reshape(b, s, h)
+        out = out + _shared_experts(flat, p["shared"], numerics, limit=plan.swiglu_limit)
+    return out.astype(x.dtype).reshape(b, s, h)
+
+
+def _shared_experts(
+    x: jax.Array, p: Mapping[str, Any], numerics: LinearNumerics, *, limit: float | None
+) -> jax.Array:
+    """Shared experts ``down(SwiGLU(gate(x), up(x)))`` -> float32 (model.md §8.2).
+
+    Like the routed experts, the two first projections stay float32 into the clamped SwiGLU and only the
+    activation is rounded to ``x.dtype`` before the down projection.
+    """
+    g = linear(x, p["gate"], numerics, out_dtype=jnp.float32)
+    u = linear(x, p["up"], numerics, out_dtype=jnp.float32)
+    a = swiglu(g, u, limit=limit).astype(x.dtype)
+    return linear(a, p["down"], numerics, out_dtype=jnp.float32)
 
 
 def _concrete(value: Any) -> np.ndarray | None:
@@ -267,7 +327,7 @@ def forward_chunk(
     if len(state) != plan.num_layers:
         raise ValueError(f"forward_chunk: state has {len(state)} layers, the plan {plan.num_layers}")
     _check_rows(state, start, lengths, ids.shape[0], ids.shape[1], plan)
-    x = embed_tokens(params["embed"], ids, dtype=jnp.float32)
+    x = embed_tokens(params["embed"], ids, dtype=jnp.dtype(plan.dtype))
     streams = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], plan.hc_mult, x.shape[-1]))
     hc = {"hc_eps": plan.hc_eps, "sinkhorn_iters": plan.hc_sinkhorn_iters, "norm_eps": plan.eps}
     new_state = []

@@ -189,21 +189,17 @@ def _compressor(
     out[f"{prefix}.norm.weight"] = ((width,), FLOAT_DTYPES)
 
 
-def compute_dtype(
-    dtype: Any, *, model: str = "DeepSeek-V4", production: str = "FP4/MXFP8 KV round trips"
-) -> Any:
-    """The float dtype of a precision mode; only float32 (parity mode) is implemented for V4 and V4.1 so far.
+def compute_dtype(dtype: Any) -> Any:
+    """The float dtype of a precision mode: float32 (parity mode) or bfloat16 (production mode).
 
-    ``model`` and ``production`` name the model and what its bfloat16 mode would add, for the error message.
+    The mode is also the dtype of the unquantised weights :func:`assemble_params` builds, which is how the
+    forward tells the two modes apart (``params["embed"].dtype``).
     """
     name = str(getattr(dtype, "name", dtype))
     if name == "float32":
         return jnp.float32
     if name == "bfloat16":
-        raise NotImplementedError(
-            f"{model}: the bfloat16 production mode (MXFP8 activation casts, {production}) is not implemented; "
-            "load with dtype='float32'"
-        )
+        return jnp.bfloat16
     raise ValueError(f"dtype: {dtype!r} is not a precision mode; expected 'float32' or 'bfloat16'")
 
 

@@ -17,9 +17,20 @@ sub-layer reads stream 0; the final collapse (§6.5) uses the last FFN's pre-mix
 reads with its own pre-mix and the ``hc_head_*`` tensors collapse the streams. Either way ``post`` and ``comb``
 come from the sub-layer's own input. Then the final RMSNorm and the LM head give float32 logits (§10).
 
-Everything is float32 (parity mode): FP8 and MXFP4 weights are decoded tile by tile inside their GEMMs and no
-quantise-dequantise round trip of §12.4 is applied. This path keeps every key of the prefix in memory; it is the
-reference an incremental, cached path must reproduce. The DSpark drafter (``params["mtp"]``) is not run here.
+Precision modes (``ARCHITECTURE.md`` §8) live in :class:`V41Static`, so each mode is one compiled forward:
+
+* **float32 parity mode** (``V41Static.from_config(cfg, compression)``): float32 activations; FP8 and MXFP4
+  weights are decoded tile by tile inside their GEMMs (weight-only) and no round trip of §12.4 is applied.
+* **bfloat16 production mode** (``dtype="bfloat16"``): bfloat16 embeddings, streams and sub-layer outputs at the
+  spec's rounding points (RMSNorm rounds twice (§5.1); the mHC read and write-back once each (§6.4); projections
+  round their outputs except the float32 ones of §5.2; the routed and shared expert outputs are summed in float32
+  and rounded once (§8.2)); the MXFP8 activation cast in front of every FP8/MXFP4 GEMM (§12.2); and the round
+  trips of §12.4 -- MXFP8 window keys, FP4 (or MXFP8 with ``use_fp4_sparse_kv = false``) compressed keys, MXFP4
+  indexer queries and keys, bfloat16 indexer scores. mHC mixes, the router, the Engram gate, sinks, softmaxes and
+  the logits stay float32. The parameters must be assembled in the same mode.
+
+This path keeps every key of the prefix in memory; it is the reference an incremental, cached path must
+reproduce. The DSpark drafter (``params["mtp"]``) is not run here.
 """
 
 from __future__ import annotations
@@ -44,13 +55,14 @@ from deepinfer_jax.models.deepseek_v4.engram import (
     ngram_ids,
 )
 from deepinfer_jax.models.deepseek_v4.mhc import hc_collapse, hc_expand, hc_head, hc_mixes
+from deepinfer_jax.models.deepseek_v4.params import compute_dtype
 from deepinfer_jax.models.deepseek_v4.plan_v41 import V41LayerPlan, V41Plan, build_v41_plan
 from deepinfer_jax.models.deepseek_v4.v41_attention import CrossLayer, V41AttentionSpec, attention_prefix
 from deepinfer_jax.numerics.activation import CastPolicy
 from deepinfer_jax.ops import get as get_op
 from deepinfer_jax.ops import rms_norm
 
-__all__ = ["V41Static", "forward_logits", "moe_layer", "shared_expert"]
+__all__ = ["V41Static", "forward_logits", "forward_with_features", "moe_layer", "shared_expert"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +75,9 @@ class V41Static:
         numerics: FP8 block shape and activation cast of the precision mode (parity: no cast).
         engram: the Engram layout (table sizes, offsets, hash multipliers), ``None`` without Engram.
         hc_shifted: the HC schedule (§6.4); the non-shifted one needs ``params["hc_head"]``.
+        dtype: the activation dtype of the precision mode, ``"float32"`` or ``"bfloat16"``.
+        casts: the round trips of the precision mode (also held by each attention spec); the draft keys' cast
+            (§12.4 item 5) is here for the drafter.
     """
 
     plan: V41Plan
@@ -80,18 +95,24 @@ class V41Static:
     top_k: int
     routed_scaling_factor: float
     swiglu_limit: float | None
+    dtype: str = "float32"
+    casts: CastPolicy = dataclasses.field(default_factory=CastPolicy)
 
     @classmethod
-    def from_config(cls, cfg: DeepseekV41Config, compression: CompressionMap | None = None) -> V41Static:
-        """The parity-mode statics of ``cfg``; ``compression`` is required exactly when Engram is on.
+    def from_config(
+        cls, cfg: DeepseekV41Config, compression: CompressionMap | None = None, dtype: Any = "float32"
+    ) -> V41Static:
+        """The statics of ``cfg`` in precision mode ``dtype`` (``"float32"`` parity, ``"bfloat16"`` production);
+        ``compression`` is required exactly when Engram is on.
 
         Raises:
             TypeError: ``cfg`` is not a :class:`DeepseekV41Config`.
             ValueError: Engram on without a compression map (or off with one), or a map that disagrees with
-                the config (:meth:`EngramLayout.from_config` names the key).
+                the config (:meth:`EngramLayout.from_config` names the key); a dtype that is not a precision mode.
         """
         if not isinstance(cfg, DeepseekV41Config):
             raise TypeError(f"cfg: expected a DeepseekV41Config, got {type(cfg).__name__}")
+        mode = jnp.dtype(compute_dtype(dtype)).name
         cfg.require_complete("building a DeepSeek-V4.1 model")
         plan = build_v41_plan(cfg)
         if cfg.engram_enabled != (compression is not None):
@@ -101,7 +122,8 @@ class V41Static:
             )
         layout = EngramLayout.from_config(cfg, compression) if compression is not None else None
         q = cfg.quantization
-        casts = CastPolicy()  # float32 parity mode: every round trip of §12.4 off
+        # Parity mode: every round trip of §12.4 off; production: all on (compressed keys FP4 or MXFP8).
+        casts = CastPolicy.for_mode("deepseek_v41", mode, cfg.use_fp4_sparse_kv)
         return cls(
             plan=plan,
             attention=tuple(
@@ -122,6 +144,8 @@ class V41Static:
             top_k=cfg.num_experts_per_tok,
             routed_scaling_factor=cfg.routed_scaling_factor,
             swiglu_limit=cfg.swiglu_limit,
+            dtype=mode,
+            casts=casts,
         )
 
 
@@ -129,13 +153,22 @@ class V41Static:
 
 
 def shared_expert(
-    x: jax.Array, p: Mapping[str, Any], numerics: LinearNumerics, *, limit: float | None
+    x: jax.Array,
+    p: Mapping[str, Any],
+    numerics: LinearNumerics,
+    *,
+    limit: float | None,
+    out_dtype: Any = None,
 ) -> jax.Array:
-    """The shared experts as one SwiGLU FFN whose first GEMM is the fused ``[w1; w3]`` (``p["w13"]``)."""
+    """The shared experts as one SwiGLU FFN whose first GEMM is the fused ``[w1; w3]`` (``p["w13"]``).
+
+    The output is in ``out_dtype`` (default ``x.dtype``); :func:`moe_layer` asks for float32 so that the routed
+    and shared outputs are summed before the one rounding of §8.2.
+    """
     u = linear(x, p["w13"], numerics, out_dtype=jnp.float32)
     half = u.shape[-1] // 2
     a = swiglu(u[..., :half], u[..., half:], limit=limit).astype(x.dtype)
-    return linear(a, p["down"], numerics, out_dtype=x.dtype)
+    return linear(a, p["down"], numerics, out_dtype=out_dtype or x.dtype)
 
 
 def moe_layer(p: Mapping[str, Any], x: jax.Array, static: V41Static) -> jax.Array:
@@ -158,10 +191,14 @@ def moe_layer(p: Mapping[str, Any], x: jax.Array, static: V41Static) -> jax.Arra
         static.numerics,
         swiglu_limit=static.swiglu_limit,
         weight_before_down=True,  # §8.2: the reference scales the activation before w2
+        out_dtype=jnp.float32,
     )
     if "shared" in p:
-        out = out + shared_expert(flat, p["shared"], static.numerics, limit=static.swiglu_limit)
-    return out.reshape(b, s, h)
+        shared = shared_expert(
+            flat, p["shared"], static.numerics, limit=static.swiglu_limit, out_dtype=jnp.float32
+        )
+        out = out + shared
+    return out.astype(x.dtype).reshape(b, s, h)  # f = Σ out_e + out_s, rounded once (§8.2)
 
 
 # ----------------------------------------------------------------------------------------- the forward
@@ -212,12 +249,19 @@ def _layer(
     lp: V41LayerPlan,
     spec: V41AttentionSpec,
     static: V41Static,
+    capture: dict[int, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, CrossLayer]:
-    """One backbone layer: Engram, attention and MoE sub-layers (module docstring)."""
+    """One backbone layer: Engram, attention and MoE sub-layers (module docstring).
+
+    ``capture``, when given, receives ``{layer: float32 mean over streams}`` of the state entering the attention
+    mixes (after Engram): the DSpark target feature of §11.1 before its precision-mode rounding.
+    """
     if lp.has_engram:
         assert grams is not None and static.engram is not None and lp.engram_slot is not None
         rows = hash_rows(grams, static.engram, lp.engram_slot)
         streams = engram_layer(p["engram"], streams, rows, eps=static.eps, numerics=static.numerics)
+    if capture is not None:
+        capture[lp.layer] = jnp.mean(streams.astype(jnp.float32), axis=-2)
 
     def attention(x: jax.Array) -> tuple[jax.Array, CrossLayer]:
         x_hat = rms_norm(x, p["attn_norm"], eps=static.eps)
@@ -236,6 +280,24 @@ def forward_logits(params: Mapping[str, Any], ids: jax.Array, *, static: V41Stat
 
     ``params`` is the tree of :func:`~.v41_params.assemble_params`; ``static`` is a ``jax.jit`` static argument.
     """
+    return forward_with_features(params, ids, static=static)[0]
+
+
+def forward_with_features(
+    params: Mapping[str, Any], ids: jax.Array, *, static: V41Static, capture_layers: tuple[int, ...] = ()
+) -> tuple[jax.Array, dict[int, jax.Array]]:
+    """:func:`forward_logits` plus ``{t: mean_s R_t[s]}`` (float32 ``[B, S, H]``) for each ``t`` in
+    ``capture_layers``, ``R_t`` being the stream state entering layer ``t``'s attention mixes, after Engram
+    (the DSpark target features of §11.1, reduced but not yet rounded to the precision mode).
+
+    Raises:
+        ValueError: a capture layer outside ``[0, num_hidden_layers)``.
+    """
+    for i, layer in enumerate(capture_layers):
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < static.plan.num_layers:
+            raise ValueError(
+                f"capture_layers[{i}]: {layer!r} is not a backbone layer index in [0, {static.plan.num_layers})"
+            )
     ids = jnp.asarray(ids)
     if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"ids: expected an integer array [batch, seq], got {ids.dtype} {ids.shape}")
@@ -245,17 +307,19 @@ def forward_logits(params: Mapping[str, Any], ids: jax.Array, *, static: V41Stat
         raise ValueError("params: the non-shifted HC schedule needs 'hc_head' (hc_head_fn / _base / _scale)")
     b, s = ids.shape
     m = static.hc_mult
-    x = embed_tokens(params["embed"], ids, dtype=jnp.float32)
+    x = embed_tokens(params["embed"], ids, dtype=jnp.dtype(static.dtype))
     streams = jnp.broadcast_to(x[:, :, None, :], (b, s, m, x.shape[-1]))  # §6.2
     # Shifted schedule: the first sub-layer reads stream 0 (one-hot, exactly).
     carried_pre = jnp.broadcast_to(jax.nn.one_hot(0, m, dtype=jnp.float32), (b, s, m))
     grams = _engram_ngrams(params, ids, static) if static.engram is not None else None
     cross = CrossLayer()
+    features: dict[int, jax.Array] = {}
     for lp, spec, p in zip(static.plan.layers, static.attention, params["layers"], strict=True):
-        streams, carried_pre, cross = _layer(p, streams, carried_pre, cross, grams, lp, spec, static)
+        capture = features if lp.layer in capture_layers else None
+        streams, carried_pre, cross = _layer(p, streams, carried_pre, cross, grams, lp, spec, static, capture)
     if static.hc_shifted:
         h = hc_collapse(streams, carried_pre)  # §6.5: the last FFN's own pre-mix
     else:
         h = hc_head(streams, **params["hc_head"], hc_eps=static.hc_eps, norm_eps=static.eps)
     h = rms_norm(h, params["norm"], eps=static.eps)
-    return lm_head(h, params["head"])
+    return lm_head(h, params["head"]), features

@@ -76,10 +76,8 @@ _PREFIX = re.compile(r"^model\.")
 
 
 def compute_dtype(dtype: Any) -> Any:
-    """The float dtype of a precision mode; only float32 (parity mode) is implemented for V4.1 so far."""
-    return v4_params.compute_dtype(
-        dtype, model="DeepSeek-V4.1", production="FP4/MXFP8/MXFP4 cache round trips of spec §12.4"
-    )
+    """The float dtype of a precision mode: float32 (parity mode) or bfloat16 (production mode)."""
+    return v4_params.compute_dtype(dtype)
 
 
 # ------------------------------------------------------------------------------------------- the manifest
@@ -478,12 +476,13 @@ def assemble_params(
     Args:
         cfg: the parsed V4.1 config (its ``source`` locates ``tokenizer.json`` for Engram).
         tensors: name -> array (NumPy or JAX), names with or without ``model.``; ignored names may be present.
-        dtype: the precision mode; ``"float32"`` only (``"bfloat16"`` raises ``NotImplementedError``).
+        dtype: the precision mode, ``"float32"`` (parity) or ``"bfloat16"`` (production: unquantised weights in
+            bfloat16; norms, mHC tensors, sinks, biases and the router stay float32).
 
     Raises:
         ValueError: a required tensor missing, an unknown one present, or a shape / dtype off the contract
-            (the message names the tensor and expected against found); no compression map for Engram.
-        NotImplementedError: ``dtype="bfloat16"``.
+            (the message names the tensor and expected against found); no compression map for Engram; a dtype
+            that is not a precision mode.
     """
     fdtype = compute_dtype(dtype)
     if not isinstance(cfg, DeepseekV41Config):

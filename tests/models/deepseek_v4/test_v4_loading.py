@@ -83,11 +83,6 @@ def test_v4_load_model_reads_transformers_spelling_and_skips_mtp(v4, tmp_path):
     _same_tree(model.params, v4.params)
 
 
-def test_v4_load_model_refuses_bfloat16_mode():
-    with pytest.raises(NotImplementedError, match="float32"):
-        load_model("tiny-v4", "bfloat16")
-
-
 def test_v4_assemble_refuses_bad_tensors(v4):
     bad = dict(v4.tensors)
     del bad["layers.1.attn.compressor.ape"]

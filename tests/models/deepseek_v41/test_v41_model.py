@@ -324,11 +324,6 @@ def test_tiny_v41_batch_rows_are_independent(tiny, base_ids, base_logits):
     np.testing.assert_array_equal(tiny.logits(base_ids[::-1].copy()), base_logits[::-1])
 
 
-def test_tiny_v41_bfloat16_mode_is_not_implemented():
-    with pytest.raises(NotImplementedError, match="bfloat16 production mode"):
-        load_model("tiny-v41", dtype="bfloat16")
-
-
 def test_statics_and_params_are_checked():
     with_engram = two_layer_config(shifted=True)
     with pytest.raises(ValueError, match=r"compression: required with text_config\.engram_layer_ids = \[0\]"):
