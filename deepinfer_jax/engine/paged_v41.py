@@ -387,9 +387,17 @@ class V41PagedModel(PagedModel):
     # -------------------------------------------------------------------------------------- forward
 
     def forward(
-        self, params: Any, cache: Any, token_ids: jax.Array, meta: RaggedMeta, *, tile: int | None
+        self,
+        params: Any,
+        cache: Any,
+        token_ids: jax.Array,
+        meta: RaggedMeta,
+        *,
+        tile: int | None,
+        logit_index: jax.Array | None = None,
     ) -> tuple[jax.Array, Any]:
-        """Logits ``[S, V]`` of each row's last token and the updated caches (``PagedModel.forward``)."""
+        """Logits of each row's last token (or of the tokens ``logit_index``) and the updated caches
+        (``PagedModel.forward``)."""
         st = self.static
         if len(params["layers"]) != len(self.layers):
             raise ValueError(f"params: {len(params['layers'])} layers, the plan has {len(self.layers)}")
@@ -423,7 +431,7 @@ class V41PagedModel(PagedModel):
             streams, carried_pre = rowwise(
                 lambda s, c, p=p: self._ffn_sublayer(p, s, c), tile, streams, carried_pre
             )
-        last = meta.last_token()
+        last = meta.last_token() if logit_index is None else logit_index
 
         def head(s: jax.Array, c: jax.Array) -> jax.Array:
             if st.hc_shifted:

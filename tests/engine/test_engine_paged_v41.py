@@ -467,3 +467,26 @@ def test_memory_lines_name_the_record_kinds(llm):
     for kind in ("window ring", "compressed keys", "indexer keys", "C2 pending state", "Engram history"):
         assert kind in text, kind
     assert isinstance(llm.paged_model, V41PagedModel)
+
+
+def test_prompt_logprobs_through_the_paged_forward(llm, model):
+    """``prompt_logprobs`` on V4.1: the step asks the paged forward for every token's logits (``logit_index``);
+    across two 16-token prefill chunks they equal the log-softmax of the full forward (2e-5 of the largest logit,
+    as above, plus the log-softmax's own rounding)."""
+    prompt = np.random.default_rng(3).integers(3, 512, 27).tolist()
+    out = llm.generate(
+        prompt_token_ids=[prompt],
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2),
+        use_tqdm=False,
+    )[0]
+    [ref] = reference_logits(model, [np.asarray(prompt)], SHORT)
+    ref = np.asarray(ref, np.float64)
+    logp = ref - ref.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    tol = 2e-5 * float(np.abs(ref).max()) + 1e-5
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for i in range(1, len(prompt)):
+        entry = out.prompt_logprobs[i]
+        assert abs(entry[prompt[i]].logprob - logp[i - 1, prompt[i]]) <= tol, i
+        top = int(np.argmax(logp[i - 1]))
+        assert top in entry and abs(entry[top].logprob - logp[i - 1, top]) <= tol, i
