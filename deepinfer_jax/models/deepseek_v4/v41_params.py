@@ -347,12 +347,15 @@ class _Assembler:
         self.named = named
         self.fdtype = fdtype
 
+    # jnp casts (not NumPy) keep assembly traceable, so jax.eval_shape gives the abstract tree of a real-size
+    # model without reading or allocating it (the real-shape compile tests).
+
     def vec(self, name: str) -> jax.Array:
         # Norm weights, mHC tensors, sinks and biases are float32 in every mode (BF16 values upcast exactly).
-        return jnp.asarray(np.asarray(self.named[name]).astype(np.float32))
+        return jnp.asarray(self.named[name]).astype(jnp.float32)
 
     def dense(self, name: str) -> jax.Array:
-        return jnp.asarray(np.asarray(self.named[name]).astype(np.float32)).astype(self.fdtype)
+        return jnp.asarray(self.named[name]).astype(jnp.float32).astype(self.fdtype)
 
     def fp8(self, prefix: str) -> dict[str, jax.Array]:
         return {
