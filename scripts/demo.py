@@ -1,8 +1,8 @@
 """The README's main job, run by `scripts/demo`.
 
 Materialises the built-in tiny DeepSeek-V4.1 model (random weights, HF layout), generates with it greedily by
-repeated full forward passes, then runs the engine (continuous batching over paged caches) — on the V4.1 model
-once the engine serves it, on the tiny V3 model until then, saying so. It never prints made-up model output.
+repeated full forward passes, then runs the engine (continuous batching over paged caches and state slots) on
+the same model and checks that its greedy tokens are the same. It never prints made-up model output.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ def main() -> int:
 
     from deepinfer_jax import LLM, SamplingParams, load_model
 
-    # 1. The tiny V4.1 model itself: greedy decoding by repeated full forward passes (no KV cache yet for V4.1,
-    #    so every token recomputes its prefix). The token buffer has a fixed length so there is one compile;
-    #    the forward is causal, so the padding after the current position never changes its logits.
+    # 1. The model itself: greedy decoding by repeated full forward passes (every token recomputes its prefix).
+    #    The token buffer has a fixed length so there is one compile; the forward is causal, so the padding
+    #    after the current position never changes its logits.
     model = load_model(path, "float32")
     prompt_ids = tok.encode(args.prompt, add_bos=True)
     buf = np.full((1, len(prompt_ids) + args.max_tokens), tok.pad_id, np.int32)
@@ -62,21 +62,24 @@ def main() -> int:
     print(f"[demo] {args.model} greedy by full forward (random weights, so the text is noise): {new_ids}")
     print(f"[demo]   text {tok.decode(new_ids)!r}")
 
-    # 2. The engine (paged caches, scheduler, jitted step, sampler). It serves DeepSeek-V3 so far; for other
-    #    families it says so, and the demo shows it on the tiny V3 model instead of inventing anything.
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    try:
-        llm = LLM(model=args.model, dtype="float32", kv_cache_memory="64MiB")
-    except NotImplementedError as e:
-        print(f"[demo] engine with {args.model}: not available yet ({e}).")
-        fallback = "tiny-v3"
-        print(f"[demo] the engine on {fallback}: {builtin.get_builtin(fallback).description}")
-        llm = LLM(model=fallback, dtype="float32", kv_cache_memory="64MiB")
-    outputs = llm.generate([args.prompt], params)
-    out = outputs[0].outputs[0]
-    print(f"[demo] engine generated {len(out.token_ids)} tokens (greedy; random weights): {out.token_ids}")
-    print(f"[demo]   text {out.text!r}  finish_reason={out.finish_reason}")
-    return 0
+    # 2. The engine (paged caches, state slots, scheduler, jitted step, sampler) on the same model: its greedy
+    #    tokens must equal the full forward's; two more prompts share the batch with seeded sampling.
+    llm = LLM(model=args.model, dtype="float32", kv_cache_memory="64MiB")
+    params = [
+        SamplingParams(max_tokens=args.max_tokens, temperature=0.0),
+        SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.9, seq_seed=1),
+        SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.9, seq_seed=2),
+    ]
+    prompts = [args.prompt, "Once upon a time", "def fibonacci(n):"]
+    outputs = llm.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs):
+        out = output.outputs[0]
+        print(f"[demo] engine, {prompt!r} -> {len(out.token_ids)} tokens {out.token_ids}")
+        print(f"[demo]   text {out.text!r}  finish_reason={out.finish_reason}")
+    greedy = outputs[0].outputs[0].token_ids
+    same = greedy == new_ids[: len(greedy)]
+    print(f"[demo] engine greedy tokens {'equal' if same else 'DIFFER FROM'} the full-forward greedy tokens")
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

@@ -29,4 +29,6 @@ def test_demo_generates_with_tiny_v41_and_the_engine():
     assert v41 is not None, out
     ids = [int(x) for x in v41.group(1).split(",") if x.strip()]
     assert 1 <= len(ids) <= 3 and all(0 <= i < 512 for i in ids)
-    assert re.search(r"engine generated \d+ tokens", out), out
+    # The engine on the same model: three prompts in one batch, the greedy one equal to the full forward's.
+    assert len(re.findall(r"engine, '.*' -> \d+ tokens", out)) == 3, out
+    assert "engine greedy tokens equal the full-forward greedy tokens" in out, out

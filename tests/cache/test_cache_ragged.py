@@ -38,7 +38,7 @@ def _batch(starts, counts, pad_tokens, pad_rows, slots, tables):
     )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
     data=st.data(),
     num_rows=st.integers(1, 4),
