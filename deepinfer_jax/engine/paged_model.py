@@ -36,6 +36,7 @@ __all__ = [
     "PagedModel",
     "plan_memory",
     "rowwise",
+    "rowwise_meta",
 ]
 
 BATCH_INVARIANT_TILE = 8
@@ -61,6 +62,43 @@ def rowwise(fn: Callable[..., Any], tile: int | None, *args: jax.Array) -> Any:
 
     out = jax.lax.map(lambda xs: fn(*xs), tuple(split(a) for a in args))
     return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:tokens], out)
+
+
+def rowwise_meta(fn: Callable[[RaggedMeta, Any], Any], tile: int | None, meta: RaggedMeta, tokens: Any) -> Any:
+    """``fn(meta, tokens)`` for a pytree ``tokens`` of token-major arrays, optionally in fixed tiles of tokens.
+
+    Like :func:`rowwise`, for computations that also read the step's addressing: each tile gets ``meta`` with
+    its token fields (``token_seq``, ``positions``, ``valid``, ``row``, ``slot``) cut to the tile and the row
+    fields whole. Padding tokens of the last tile are marked as padding (``token_seq = S``, ``valid`` false,
+    ``slot = -1``). Attention reads the caches through batched contractions whose size is the step's token
+    count; on XLA:CPU a token's result then depends on that count, so batch-invariant mode runs them per tile.
+    ``None`` leaves of ``tokens`` (absent optional inputs) pass through.
+    """
+    if tile is None:
+        return fn(meta, tokens)
+    num = meta.num_tokens
+    padded = -(-num // tile) * tile
+    pad = padded - num
+
+    def split(a: jax.Array, fill: Any = 0) -> jax.Array:
+        a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=fill)
+        return a.reshape(padded // tile, tile, *a.shape[1:])
+
+    fields = (
+        split(meta.token_seq, meta.num_rows),
+        split(meta.positions),
+        split(meta.valid, False),
+        split(meta.row),
+        split(meta.slot, -1),
+    )
+
+    def one(xs: tuple[Any, Any]) -> Any:
+        (token_seq, positions, valid, row, slot), part = xs
+        local = meta._replace(token_seq=token_seq, positions=positions, valid=valid, row=row, slot=slot)
+        return fn(local, part)
+
+    out = jax.lax.map(one, (fields, jax.tree.map(split, tokens)))
+    return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:num], out)
 
 
 class PagedModel(abc.ABC):

@@ -108,17 +108,23 @@ def paged_decoder_layer(
 
     q_lat, q_pe, entries = rowwise(project, tile, x, cos, sin)
     cache = write_tokens(cache, layer, entries, meta.blocks, meta.offsets)
-    o_lat = select("paged_mla_attention")(
-        q_lat,
-        q_pe,
-        cache,
-        layer,
-        meta.token_seq,
-        meta.positions,
-        meta.block_tables,
-        meta.context_lens,
-        scale=pl.softmax_scale,
-    )
+    def attend(q_lat: jax.Array, q_pe: jax.Array, token_seq: jax.Array, positions: jax.Array) -> jax.Array:
+        return select("paged_mla_attention")(
+            q_lat,
+            q_pe,
+            cache,
+            layer,
+            token_seq,
+            positions,
+            meta.block_tables,
+            meta.context_lens,
+            scale=pl.softmax_scale,
+        )
+
+    # In batch-invariant mode the attention runs in fixed tiles too: its batched contractions are otherwise sized
+    # by the step's token count, and XLA:CPU's result for a token then depends on it. (Padding tokens of the
+    # last tile read row 0; their outputs are cut off.)
+    o_lat = rowwise(attend, tile, q_lat, q_pe, meta.token_seq, meta.positions)
     return rowwise(finish, tile, x, o_lat), cache
 
 

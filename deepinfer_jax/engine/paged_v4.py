@@ -59,7 +59,7 @@ from deepinfer_jax.cache.ragged import (
     write_entries,
 )
 from deepinfer_jax.config.v4 import DeepseekV4Config
-from deepinfer_jax.engine.paged_model import CacheLayout, PagedModel, rowwise, zeros
+from deepinfer_jax.engine.paged_model import CacheLayout, PagedModel, rowwise, rowwise_meta, zeros
 from deepinfer_jax.models.common.embedding import embed_tokens, lm_head
 from deepinfer_jax.models.common.linear import LinearNumerics, linear
 from deepinfer_jax.models.deepseek_v4.attention import (
@@ -418,47 +418,49 @@ class V4PagedModel(PagedModel):
         items, present = history(cache["window"], stored_kv, meta, spec.window)
         cache["window"] = ring_write(cache["window"], stored_kv, meta)
         scale = spec.head_dim**-0.5
-        q = pr["q"]
-        state = pw.attend_dense(q, self.window.decode(items, act), present, scale=scale)
 
+        # Compressed entries completed by this step's tokens are written before anything reads them.
         if compressed:
-            cp = p["compressor"]
             cache["kv_ring"], cache["gate_ring"], cache["pages"] = self._compress(
                 cache["kv_ring"],
                 cache["gate_ring"],
                 cache["pages"],
                 pr["a"],
                 pr["g"],
-                cp,
+                p["compressor"],
                 spec,
                 meta,
                 self.compressed,
                 act,
             )
             if sparse:
-                icp = p["indexer"]["compressor"]
                 cache["index_kv_ring"], cache["index_gate_ring"], cache["index_pages"] = self._compress(
                     cache["index_kv_ring"],
                     cache["index_gate_ring"],
                     cache["index_pages"],
                     pr["ia"],
                     pr["ig"],
-                    icp,
+                    p["indexer"]["compressor"],
                     spec,
                     meta,
                     self.indexer,
                     act,
                 )
+
+        def attend(m: RaggedMeta, t: dict[str, jax.Array]) -> jax.Array:
+            """The read-only attention of tokens ``t`` (the window part, then the compressed part, sinks)."""
+            state = pw.attend_dense(t["q"], self.window.decode(t["items"], act), t["present"], scale=scale)
+            if sparse:
                 state = pw.merge_softmax(
-                    state, self._sparse_part(q, pr["qi"], pr["w"], cache, spec, meta, act)
+                    state, self._sparse_part(t["q"], t["qi"], t["w"], cache, spec, m, act)
                 )
-            else:
+            elif compressed:
                 state = pw.merge_softmax(
                     state,
                     pw.paged_attend_all(
-                        q,
+                        t["q"],
                         cache["pages"],
-                        meta,
+                        m,
                         ratio=spec.ratio,
                         block_size=self.block_size,
                         scale=scale,
@@ -466,7 +468,13 @@ class V4PagedModel(PagedModel):
                         decode=lambda e: self.compressed.decode(e, act),
                     ),
                 )
-        attn = pw.finish_softmax(state, p["sinks"]).astype(act)
+            return pw.finish_softmax(state, p["sinks"]).astype(act)
+
+        token_inputs = {"q": pr["q"], "items": items, "present": present}
+        if sparse:
+            token_inputs.update(qi=pr["qi"], w=pr["w"])
+        # Batch-invariant mode: attention in fixed tiles too (its contractions are otherwise sized by the step).
+        attn = rowwise_meta(attend, tile, meta, token_inputs)
 
         def finish(
             streams: jax.Array,
