@@ -64,7 +64,7 @@ from deepinfer_jax.cache.ragged import (
     ring_write,
     write_entries,
 )
-from deepinfer_jax.engine.paged_model import CacheLayout, PagedModel, rowwise, zeros
+from deepinfer_jax.engine.paged_model import CacheLayout, PagedModel, rowwise, rowwise_meta, zeros
 from deepinfer_jax.models.common.embedding import embed_tokens, lm_head
 from deepinfer_jax.models.common.linear import LinearNumerics, linear
 from deepinfer_jax.models.deepseek_v4 import family_v41
@@ -528,16 +528,32 @@ class V41PagedModel(PagedModel):
         window_keys = wnd.get(stored, x_hat.dtype)  # [T, W, D]
 
         scale = spec.head_dim**-0.5
+        # Batch-invariant mode runs the attention in fixed tiles too (rowwise_meta): its contractions are
+        # otherwise sized by the step's token count, and XLA:CPU's result for a token then depends on it.
         if not lp.is_compressed:
-            out = get_op("v4_sink_attention")(
-                q[:, None], window_keys, present[:, None], a["sinks"], scale=scale
-            )[:, 0]
+
+            def window_only(m: RaggedMeta, t: tuple[jax.Array, ...]) -> jax.Array:
+                qq, keys, mask = t
+                return get_op("v4_sink_attention")(qq[:, None], keys, mask[:, None], a["sinks"], scale=scale)[
+                    :, 0
+                ]
+
+            out = rowwise_meta(window_only, tile, meta, (q, window_keys, present))
         else:
             if lp.is_kv_source or lp.is_index_k_source:
                 cross, cache = self._compressed_writes(p, lp, spec, x_hat, cross, cache, meta, tile)
-            out, cross = self._compressed_attention(
-                p, lp, spec, x_hat, q_latent, q, window_keys, present, cross, cache, meta, tile
-            )
+
+            def compressed(m: RaggedMeta, t: tuple[Any, ...]) -> tuple[Any, ...]:
+                xh, ql, qq, keys, mask, selection, candidates = t
+                local = cross._replace(selection=selection, candidates=candidates)
+                o, local = self._compressed_attention(
+                    p, lp, spec, xh, ql, qq, keys, mask, local, cache, m, None
+                )
+                return o, local.selection, local.candidates
+
+            token_inputs = (x_hat, q_latent, q, window_keys, present, cross.selection, cross.candidates)
+            out, selection, candidates = rowwise_meta(compressed, tile, meta, token_inputs)
+            cross = cross._replace(selection=selection, candidates=candidates)
 
         def finish(o: jax.Array, cs: jax.Array, sn: jax.Array) -> jax.Array:
             o = apply_rope(o, cs, sn, rope_dim=spec.rope_dim, inverse=True)
@@ -586,8 +602,13 @@ class V41PagedModel(PagedModel):
                 u = cross.shared_hidden
             pre_rope = self._compress(p["attn"]["compressor"], lp, spec, u, emitted, cache, meta, tile)
             cmp = self.compressed_store()
-            keys = cmp.store(
-                _rotate_at(pre_rope, entry_rope, freqs, spec.rope_dim), spec.casts.compressed_keys
+            keys = rowwise(
+                lambda pr, er: cmp.store(
+                    _rotate_at(pr, er, freqs, spec.rope_dim), spec.casts.compressed_keys
+                ),
+                tile,
+                pre_rope,
+                entry_rope,
             )
             slot = self.kv_sources.index(lp.layer)
             cache["kv"][slot] = write_entries(cache["kv"][slot], keys, blocks, offsets)
@@ -614,10 +635,11 @@ class V41PagedModel(PagedModel):
                     cast="none",
                 )[:, 0]
 
-            ki = rowwise(project, tile, cross.pre_rope)
-            ki = self.indexer_store().store(
-                _rotate_at(ki, entry_rope, freqs, spec.rope_dim), spec.casts.indexer
-            )
+            def indexer_entry(pr: jax.Array, er: jax.Array) -> jax.Array:
+                rotated = _rotate_at(project(pr), er, freqs, spec.rope_dim)
+                return self.indexer_store().store(rotated, spec.casts.indexer)
+
+            ki = rowwise(indexer_entry, tile, cross.pre_rope, entry_rope)
             slot = self.index_k_sources.index(lp.layer)
             cache["ik"][slot] = write_entries(cache["ik"][slot], ki, blocks, offsets)
         return cross, cache
@@ -664,8 +686,14 @@ class V41PagedModel(PagedModel):
         ring = cache["pending"][slot]
         (pa, pg), _ = history_at(ring, (a, g), meta, emitted, lp.ratio)  # [E, r, D] each
         cache["pending"][slot] = ring_write(ring, (a, g), meta)
-        c = get_op("v4_compressor_pool")(pa, pg).astype(u.dtype)
-        return rms_norm(c, cp["norm"], eps=spec.eps, out_dtype=u.dtype)
+
+        def pool(pa: jax.Array, pg: jax.Array) -> jax.Array:
+            c = get_op("v4_compressor_pool")(pa, pg).astype(u.dtype)
+            return rms_norm(c, cp["norm"], eps=spec.eps, out_dtype=u.dtype)
+
+        # Per-entry work runs in the same fixed tiles as per-token work in batch-invariant mode: the entry count
+        # follows the step's token count, and XLA:CPU's per-row results may follow the array's size.
+        return rowwise(pool, tile, pa, pg)
 
     # -------------------------------------------------------------------------- compressed attention
 
