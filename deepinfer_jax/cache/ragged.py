@@ -151,12 +151,19 @@ def history(ring: Any, new: Any, meta: RaggedMeta, depth: int) -> tuple[Any, jax
     return jax.tree.map(pick, ring, new), present
 
 
-def ring_write(ring: Any, new: Any, meta: RaggedMeta) -> Any:
+def ring_write(ring: Any, new: Any, meta: RaggedMeta, *, after: Any = None) -> Any:
     """``ring`` with each row's last ``R`` new items stored at ``[slot, position % R]``.
 
     Earlier tokens of a chunk longer than ``R`` would be overwritten by later ones in the same scatter, so they
     are skipped (the order of duplicate scatter indices is unspecified); padding tokens are dropped.
+
+    ``after`` names what was read from the ring before this write (e.g. :func:`history`'s items). The write is
+    then ordered after those reads through ``lax.optimization_barrier``, which lets XLA update the (donated) ring
+    in place: without it XLA copies the whole ring -- every slot of every sequence -- to keep the old version
+    readable, which at tiny model sizes was most of a decode step.
     """
+    if after is not None:
+        ring, _ = jax.lax.optimization_barrier((ring, after))
     ring_len = jax.tree.leaves(ring)[0].shape[1]
     end = meta.query_start[1:][meta.row]
     keep = meta.valid & (end - jnp.arange(meta.num_tokens, dtype=jnp.int32) <= ring_len) & (meta.slot >= 0)

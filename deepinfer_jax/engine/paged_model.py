@@ -64,7 +64,9 @@ def rowwise(fn: Callable[..., Any], tile: int | None, *args: jax.Array) -> Any:
     return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:tokens], out)
 
 
-def rowwise_meta(fn: Callable[[RaggedMeta, Any], Any], tile: int | None, meta: RaggedMeta, tokens: Any) -> Any:
+def rowwise_meta(
+    fn: Callable[[RaggedMeta, Any], Any], tile: int | None, meta: RaggedMeta, tokens: Any
+) -> Any:
     """``fn(meta, tokens)`` for a pytree ``tokens`` of token-major arrays, optionally in fixed tiles of tokens.
 
     Like :func:`rowwise`, for computations that also read the step's addressing: each tile gets ``meta`` with

@@ -108,6 +108,7 @@ def paged_decoder_layer(
 
     q_lat, q_pe, entries = rowwise(project, tile, x, cos, sin)
     cache = write_tokens(cache, layer, entries, meta.blocks, meta.offsets)
+
     def attend(q_lat: jax.Array, q_pe: jax.Array, token_seq: jax.Array, positions: jax.Array) -> jax.Array:
         return select("paged_mla_attention")(
             q_lat,

@@ -416,7 +416,7 @@ class V4PagedModel(PagedModel):
         # Window: this step's keys (as stored) or the slot's ring, for positions p - W + 1 .. p.
         stored_kv = self.window.encode(pr["kv"])
         items, present = history(cache["window"], stored_kv, meta, spec.window)
-        cache["window"] = ring_write(cache["window"], stored_kv, meta)
+        cache["window"] = ring_write(cache["window"], stored_kv, meta, after=items)
         scale = spec.head_dim**-0.5
 
         # Compressed entries completed by this step's tokens are written before anything reads them.
@@ -544,7 +544,7 @@ class V4PagedModel(PagedModel):
         _, _, blocks, offsets = compressed_slots(meta, ratio, self.block_size, pages.shape[0])
         target = blocks.at[emitters].get(mode="fill", fill_value=pages.shape[0])
         pages = write_entries(pages, entries, target, offsets.at[emitters].get(mode="fill", fill_value=0))
-        kv_ring, gate_ring = ring_write((kv_ring, gate_ring), (kv, gate), meta)
+        kv_ring, gate_ring = ring_write((kv_ring, gate_ring), (kv, gate), meta, after=(hk, hg))
         return kv_ring, gate_ring, pages
 
     def _sparse_part(

@@ -467,7 +467,7 @@ class V41PagedModel(PagedModel):
         grams, _ = ngram_ids(
             compressed[:, None], before, max_ngram_size=layout.max_ngram_size, pad_id=layout.pad_id
         )
-        return grams[:, 0], ring_write(ring, compressed, meta)
+        return grams[:, 0], ring_write(ring, compressed, meta, after=items)
 
     # ------------------------------------------------------------------------------------ sub-layers
 
@@ -524,7 +524,7 @@ class V41PagedModel(PagedModel):
         new = wnd.store(kv, spec.casts.window_keys)
         ring = cache["window"][lp.layer]
         stored, present = history(ring, new, meta, spec.window)
-        cache["window"][lp.layer] = ring_write(ring, new, meta)
+        cache["window"][lp.layer] = ring_write(ring, new, meta, after=stored)
         window_keys = wnd.get(stored, x_hat.dtype)  # [T, W, D]
 
         scale = spec.head_dim**-0.5
@@ -685,7 +685,7 @@ class V41PagedModel(PagedModel):
         slot = self.pending_sources.index(lp.layer)
         ring = cache["pending"][slot]
         (pa, pg), _ = history_at(ring, (a, g), meta, emitted, lp.ratio)  # [E, r, D] each
-        cache["pending"][slot] = ring_write(ring, (a, g), meta)
+        cache["pending"][slot] = ring_write(ring, (a, g), meta, after=(pa, pg))
 
         def pool(pa: jax.Array, pg: jax.Array) -> jax.Array:
             c = get_op("v4_compressor_pool")(pa, pg).astype(u.dtype)
