@@ -13,6 +13,7 @@ Each model family runs through its :class:`~deepinfer_jax.engine.paged_model.Pag
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -27,12 +28,21 @@ from deepinfer_jax.checkpoint.model_loading import DTYPES, load_model
 from deepinfer_jax.config import load_config
 from deepinfer_jax.engine import chat as _chat
 from deepinfer_jax.engine.buckets import step_buckets
+from deepinfer_jax.engine.multi_device import (
+    MeshRunner,
+    MeshScheduler,
+    MeshStepExecutor,
+    device_share,
+    mesh_memory_plan,
+    shard_model,
+)
 from deepinfer_jax.engine.paged_model import PagedModel, plan_memory
 from deepinfer_jax.engine.params import RequestOutput, SamplingParams, validate_request
 from deepinfer_jax.engine.runner import EngineRunner, RunStats
 from deepinfer_jax.engine.scheduler import Scheduler
 from deepinfer_jax.engine.step import StepExecutor, state_bytes
 from deepinfer_jax.models import builtin
+from deepinfer_jax.parallel import distributed, mesh_from_config
 from deepinfer_jax.text.output_parser import ChatOutput
 from deepinfer_jax.text.tokenizer import Tokenizer
 
@@ -152,7 +162,9 @@ def _resolve_tokenizer(tokenizer: Any, model_dir: Path) -> Tokenizer | None:
     return Tokenizer.from_file(path)
 
 
-def _default_cache_memory(params: Any) -> int:
+def _default_cache_memory(params: Any, num_devices: int = 1) -> int:
+    """The default ``kv_cache_memory`` of the whole ``LLM``: on CPU :data:`DEFAULT_CPU_CACHE_MEMORY`; on an
+    accelerator 90% of what the first device has left after the weights, once per device of the mesh."""
     device = jax.devices()[0]
     if device.platform == "cpu":
         return DEFAULT_CPU_CACHE_MEMORY
@@ -161,7 +173,7 @@ def _default_cache_memory(params: Any) -> int:
     if not limit:
         return DEFAULT_CPU_CACHE_MEMORY
     used = stats.get("bytes_in_use", sum(x.nbytes for x in jax.tree.leaves(params)))
-    return max(int(0.9 * (limit - used)), 1)
+    return max(int(0.9 * (limit - used)), 1) * num_devices
 
 
 class LLM:
@@ -183,7 +195,10 @@ class LLM:
       seed: derives the seed of every request without ``seq_seed`` (with the request's index).
       batch_invariant: sampling results of a row independent of the batch (``None``-like default: the config's
         ``ops.batch_invariant``, e.g. ``DEEPINFER_BATCH_INVARIANT=1``, applies when this is False).
-      data_parallel_size, expert_parallel_size: mesh axes; only 1 is supported so far.
+      data_parallel_size, expert_parallel_size: the ``(dp, ep)`` mesh over ``dp * ep`` devices (ARCHITECTURE
+        §5): each device runs its own sequences, routed experts are sharded over ``ep``. On a mesh,
+        ``kv_cache_memory``, ``max_num_seqs`` and ``max_num_batched_tokens`` are still those of the whole
+        ``LLM``; each device gets its share (:mod:`deepinfer_jax.engine.multi_device`).
       **engine_overrides: dotted config names (``{"cache.block_size": 16}``), as :func:`load_config` takes.
     """
 
@@ -218,8 +233,8 @@ class LLM:
             ("data_parallel_size", data_parallel_size),
             ("expert_parallel_size", expert_parallel_size),
         ):
-            if _check_int(name, value, 1) != 1:
-                raise NotImplementedError(f"{name} = {value}: the engine runs on one device so far; use 1")
+            _check_int(name, value, 1)
+        num_devices = data_parallel_size * expert_parallel_size
         for key in engine_overrides:
             if key.startswith("model."):
                 raise ValueError(
@@ -241,6 +256,8 @@ class LLM:
             "scheduler.max_num_seqs": min(max_num_seqs, max_num_batched_tokens),
             "scheduler.max_num_batched_tokens": max_num_batched_tokens,
             "ops.batch_invariant": True if batch_invariant else None,
+            "parallel.data_parallel_size": data_parallel_size,
+            "parallel.expert_parallel_size": expert_parallel_size,
             **engine_overrides,
         }
         config = load_config(model_dir, overrides=overrides)
@@ -248,6 +265,15 @@ class LLM:
         if family not in _SUPPORTED_FAMILIES:
             raise NotImplementedError(f"model: the engine has no paged caches for model family {family!r}")
         check_kv_cache_dtype(family, dtype, kv_cache_dtype)  # before any weight is read
+        # A multi-process run joins its peers before anything touches a JAX backend; then the mesh, before any
+        # weight is read (more devices than exist is a ValueError naming both sizes).
+        distributed.initialize(config.parallel)
+        mesh = mesh_from_config(config.parallel) if num_devices > 1 else None
+        if mesh is None and distributed.is_multi_process(config.parallel):
+            raise ValueError(
+                f"parallel.num_processes = {config.parallel.num_processes}: a multi-process run needs a mesh over "
+                "the devices of every process; set data_parallel_size * expert_parallel_size to their number"
+            )
         self.config = config
         self.model = load_model(model_dir, dtype)
         cfg = self.model.config
@@ -258,20 +284,43 @@ class LLM:
         )
         self.seed = seed
         self.batch_invariant = bool(config.ops.batch_invariant)
+        self.mesh = mesh
+        if mesh is not None:
+            self.model = shard_model(self.model, mesh, extra=config.parallel.eplb_num_redundant_experts)
+            # From here on the budgets are one device's (engine/multi_device.py).
+            max_num_seqs = device_share(max_num_seqs, num_devices)
+            max_num_batched_tokens = device_share(max_num_batched_tokens, num_devices)
 
         num_slots = max_num_seqs + 1
         self.paged_model = paged_model_for(
             self.model, block_size=config.cache.block_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype
         )
         if budget is None:
-            budget = _default_cache_memory(self.model.params)
-        self.memory_plan = plan_memory(
-            self.paged_model.layout(),
-            budget,
-            num_slots=num_slots,
-            reserved_bytes=state_bytes(num_slots, cfg.vocab_size),
-            num_blocks=config.cache.num_blocks,
-        )
+            budget = _default_cache_memory(self.model.params, num_devices)
+        try:
+            self.memory_plan = plan_memory(
+                self.paged_model.layout(),
+                budget // num_devices,
+                num_slots=num_slots,
+                reserved_bytes=state_bytes(num_slots, cfg.vocab_size),
+                num_blocks=config.cache.num_blocks,
+            )
+        except ValueError as err:
+            if mesh is None:
+                raise
+            raise ValueError(
+                f"{err} (on the mesh, kv_cache_memory = {budget} B is split over {num_devices} devices: "
+                f"{budget // num_devices} B each)"
+            ) from None
+        if mesh is not None:
+            self.memory_plan = mesh_memory_plan(
+                self.memory_plan,
+                mesh=mesh,
+                total_budget_bytes=budget,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                params=self.model.params,
+            )
         spec = self.memory_plan.spec
         logging.info("%s", self.memory_plan.describe())
         capacity = spec.usable_tokens + 1  # the last sampled token never enters the cache
@@ -295,7 +344,8 @@ class LLM:
         self.max_model_len = max_model_len
         max_blocks = -(-(max_model_len - 1) // spec.block_size)
         buckets = step_buckets(max_num_batched_tokens, max_num_seqs)
-        self.scheduler = Scheduler(
+        make_scheduler = functools.partial(
+            Scheduler,
             num_blocks=spec.num_blocks,
             block_size=spec.block_size,
             max_num_seqs=max_num_seqs,
@@ -309,6 +359,12 @@ class LLM:
             tokenizer=self.tokenizer,
             min_bucket_fill=config.scheduler.min_bucket_fill,
         )
+        self.last_stats: RunStats | None = None
+        self._next_id = 0
+        if mesh is not None:
+            self._start_mesh(mesh, make_scheduler, num_blocks=spec.num_blocks, num_slots=num_slots)
+            return
+        self.scheduler = make_scheduler()
         self.executor = StepExecutor(
             self.model.params,
             self.paged_model,
@@ -320,8 +376,25 @@ class LLM:
         self.runner = EngineRunner(
             self.scheduler, self.executor, vocab_size=cfg.vocab_size, eos_token_ids=self.eos_token_ids
         )
-        self.last_stats: RunStats | None = None
-        self._next_id = 0
+
+    def _start_mesh(self, mesh: Any, make_scheduler: Any, *, num_blocks: int, num_slots: int) -> None:
+        """The engine on a mesh: one scheduler per device behind a router, one global step, its runner."""
+        self.scheduler = MeshScheduler([make_scheduler() for _ in range(mesh.devices.size)])
+        self.executor = MeshStepExecutor(
+            self.model.params,
+            self.paged_model,
+            mesh,
+            num_blocks=num_blocks,
+            num_slots=num_slots,
+            max_blocks_per_seq=self.scheduler.max_blocks_per_seq,
+            batch_invariant=self.batch_invariant,
+        )
+        self.runner = MeshRunner(
+            self.scheduler,
+            self.executor,
+            vocab_size=self.model.config.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+        )
 
     # -------------------------------------------------------------------------------------- inputs
 
@@ -346,7 +419,9 @@ class LLM:
                     "prompts: this model has no tokenizer (no tokenizer.json in its folder and none given as "
                     "LLM(tokenizer=...)); pass prompt_token_ids instead"
                 )
-            return texts, [self.tokenizer.encode(t) for t in texts]
+            # Like vLLM with a DeepSeek tokenizer (add_bos_token): a text prompt starts with BOS. Chat prompts
+            # arrive as token ids, already holding their own BOS.
+            return texts, [self.tokenizer.encode(t, add_bos=True) for t in texts]
         ids = prompt_token_ids
         if not isinstance(ids, Sequence) and not hasattr(ids, "ndim"):
             raise TypeError(

@@ -17,7 +17,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -27,7 +27,14 @@ from deepinfer_jax.engine.scheduler import Scheduler
 from deepinfer_jax.engine.step import StepExecutor, StepOutput
 from deepinfer_jax.sampling import SamplingTensors
 
-__all__ = ["LOGPROB_VARIANTS", "EngineRunner", "RunStats", "logprob_variant"]
+__all__ = [
+    "LOGPROB_VARIANTS",
+    "EngineRunner",
+    "RunStats",
+    "StepArguments",
+    "logprob_variant",
+    "step_arguments",
+]
 
 LOGPROB_VARIANTS: tuple[int, ...] = (0, 5, 20)
 """Top-n widths the step is compiled for; a step reports the smallest that covers every row's ``logprobs``."""
@@ -62,6 +69,78 @@ class RunStats:
         )
 
 
+class StepArguments(NamedTuple):
+    """What one step needs besides its plan, built on the host from the plan's requests (:func:`step_arguments`).
+
+    Attributes:
+      sampling: the rows' :class:`~deepinfer_jax.sampling.SamplingTensors`.
+      prompt_lens: int32 ``[S]`` each row's prompt length (0 for padding rows).
+      num_logprobs: the compiled top-n width covering every row's ``logprobs``.
+      prompt_targets: int32 ``[T]`` the next prompt token of every token whose request asked for prompt
+        logprobs (``-1`` elsewhere), or ``None`` when no token of the step needs one.
+      num_prompt_logprobs: the compiled width covering every such request's ``prompt_logprobs``.
+    """
+
+    sampling: SamplingTensors
+    prompt_lens: np.ndarray
+    num_logprobs: int
+    prompt_targets: np.ndarray | None
+    num_prompt_logprobs: int
+
+
+def step_arguments(
+    scheduler: Scheduler,
+    plan: StepPlan,
+    *,
+    vocab_size: int,
+    eos_token_ids: Sequence[int] = (),
+    num_rows: int | None = None,
+) -> StepArguments:
+    """The :class:`StepArguments` of ``plan`` (scheduled by ``scheduler``), with ``num_rows`` rows (default the
+    plan's ``S``; a mesh step pads every device's rows to its global bucket)."""
+    requests = scheduler.rows(plan)
+    n = plan.num_seqs
+    rows = plan.padded_seqs if num_rows is None else num_rows
+    positions = plan.context_lens[:n]
+    prompt_lens = np.zeros(rows, np.int32)
+    prompt_lens[:n] = [r.prompt_len for r in requests]
+    sampling = SamplingTensors.build(
+        [r.params for r in requests],
+        [r.seed for r in requests],
+        positions,
+        vocab_size,
+        output_lens=np.maximum(positions - prompt_lens[:n], 0),
+        eos_token_ids=eos_token_ids,
+        num_rows=rows,
+    )
+    wanted = max((r.params.logprobs or 0 for r in requests), default=0)
+    targets, prompt_wanted = _prompt_targets(plan, requests)
+    return StepArguments(
+        sampling, prompt_lens, logprob_variant(wanted), targets, logprob_variant(prompt_wanted)
+    )
+
+
+def _prompt_targets(plan: StepPlan, requests: Sequence[Any]) -> tuple[np.ndarray | None, int]:
+    """The next prompt token of every token whose request asked for prompt logprobs (``-1`` elsewhere), and
+    the widest ``prompt_logprobs`` asked; ``(None, 0)`` when no token of the step needs one."""
+    targets = None
+    wanted = 0
+    for i, req in enumerate(requests):
+        n = req.params.prompt_logprobs
+        if n is None:
+            continue
+        lo, hi = int(plan.query_start[i]), int(plan.query_start[i + 1])
+        pos = plan.positions[lo:hi]
+        inside = pos + 1 < req.prompt_len
+        if not inside.any():
+            continue
+        if targets is None:
+            targets = np.full(plan.padded_tokens, -1, np.int32)
+        targets[lo:hi] = np.where(inside, req.prompt_token_ids[np.minimum(pos + 1, req.prompt_len - 1)], -1)
+        wanted = max(wanted, n)
+    return targets, wanted
+
+
 class EngineRunner:
     """Drives a :class:`Scheduler` and a :class:`StepExecutor` until every request has finished.
 
@@ -86,53 +165,17 @@ class EngineRunner:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
 
     def _dispatch(self, plan: StepPlan) -> StepOutput:
-        requests = self.scheduler.rows(plan)
-        n, rows = plan.num_seqs, plan.padded_seqs
-        positions = plan.context_lens[:n]
-        prompt_lens = np.zeros(rows, np.int32)
-        prompt_lens[:n] = [r.prompt_len for r in requests]
-        sampling = SamplingTensors.build(
-            [r.params for r in requests],
-            [r.seed for r in requests],
-            positions,
-            self.vocab_size,
-            output_lens=np.maximum(positions - prompt_lens[:n], 0),
-            eos_token_ids=self.eos_token_ids,
-            num_rows=rows,
+        args = step_arguments(
+            self.scheduler, plan, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids
         )
-        wanted = max((r.params.logprobs or 0 for r in requests), default=0)
-        targets, prompt_wanted = self._prompt_targets(plan, requests)
         return self.executor.run(
             plan,
-            sampling,
-            prompt_lens,
-            num_logprobs=logprob_variant(wanted),
-            prompt_targets=targets,
-            num_prompt_logprobs=logprob_variant(prompt_wanted),
+            args.sampling,
+            args.prompt_lens,
+            num_logprobs=args.num_logprobs,
+            prompt_targets=args.prompt_targets,
+            num_prompt_logprobs=args.num_prompt_logprobs,
         )
-
-    @staticmethod
-    def _prompt_targets(plan: StepPlan, requests: Sequence[Any]) -> tuple[np.ndarray | None, int]:
-        """The next prompt token of every token whose request asked for prompt logprobs (``-1`` elsewhere), and
-        the widest ``prompt_logprobs`` asked; ``(None, 0)`` when no token of the step needs one."""
-        targets = None
-        wanted = 0
-        for i, req in enumerate(requests):
-            n = req.params.prompt_logprobs
-            if n is None:
-                continue
-            lo, hi = int(plan.query_start[i]), int(plan.query_start[i + 1])
-            pos = plan.positions[lo:hi]
-            inside = pos + 1 < req.prompt_len
-            if not inside.any():
-                continue
-            if targets is None:
-                targets = np.full(plan.padded_tokens, -1, np.int32)
-            targets[lo:hi] = np.where(
-                inside, req.prompt_token_ids[np.minimum(pos + 1, req.prompt_len - 1)], -1
-            )
-            wanted = max(wanted, n)
-        return targets, wanted
 
     def _process(self, plan: StepPlan, out: StepOutput) -> list[RequestOutput]:
         tokens = np.asarray(out.tokens)
@@ -148,11 +191,19 @@ class EngineRunner:
         )
 
     def run(
-        self, on_finished: Callable[[RequestOutput], None] | None = None
+        self,
+        on_finished: Callable[[RequestOutput], None] | None = None,
+        *,
+        poll: Callable[[], bool] | None = None,
     ) -> tuple[list[RequestOutput], RunStats]:
         """Run until no request is unfinished; returns the finished outputs and the run's stats.
 
         ``on_finished`` is called once per finished request as soon as it finishes (progress bars).
+
+        ``poll`` makes the loop serve requests that arrive while it runs (an online client, e.g. the request-rate
+        benchmark): it is called before every scheduling round, may add requests to the scheduler, and returns
+        True while more requests are still to come. The loop then keeps going even when nothing is queued or
+        running; ``poll`` should wait for the next arrival itself when the engine is idle, or the loop spins.
         """
         stats = RunStats()
         compiles, compile_s = self.executor.compile_count, self.executor.compile_seconds
@@ -169,8 +220,13 @@ class EngineRunner:
                     if on_finished is not None:
                         on_finished(output)
 
+        def more() -> bool:
+            # poll first, every round: what it adds joins the very next step.
+            incoming = poll() if poll is not None else False
+            return incoming or self.scheduler.has_unfinished_requests() or bool(in_flight)
+
         take(self.scheduler.take_ready_outputs())
-        while self.scheduler.has_unfinished_requests() or in_flight:
+        while more():
             plan = self.scheduler.schedule()
             if plan is not None:
                 in_flight.append((plan, self._dispatch(plan)))

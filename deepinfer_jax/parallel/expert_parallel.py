@@ -58,6 +58,7 @@ __all__ = [
     "ep_moe_experts",
     "experts_to_slots",
     "initial_placement",
+    "local_moe_experts",
     "num_slots",
     "physical_slots",
     "place_experts",
@@ -397,6 +398,54 @@ def _local_moe(
     counts = jnp.sum(received[:, None] == jnp.arange(local_slots)[None, :], axis=0).astype(jnp.int32)
     out = out_rows.reshape(tokens, top_k, hidden).sum(axis=1)
     return out, counts
+
+
+def local_moe_experts(
+    x: jax.Array,
+    routing: Routing,
+    local_experts: Mapping[str, Any],
+    placement: ExpertPlacement,
+    numerics: LinearNumerics,
+    *,
+    ep: int,
+    swiglu_limit: float | None = None,
+    weight_before_down: bool = False,
+    out_dtype: Any = None,
+    transport: str = "all_to_all",
+    platform: str = "cpu",
+) -> MoEOutput:
+    """One device's part of :func:`ep_moe_experts`, for a caller already inside a ``shard_map`` over the mesh.
+
+    A ``shard_map`` cannot nest inside another's manual region, so code that already runs per device (the
+    engine's global step) calls the layer's per-device body directly: ``x [t, H]`` and ``routing`` are this
+    device's tokens, ``local_experts`` its ``P / ep`` slots ``[P / ep, ...]``, ``placement`` the layer's whole
+    (replicated) placement; dispatch and combine are collectives over the enclosing region's ``ep`` axis.
+    ``transport`` must be concrete (``"auto"`` needs the mesh: :func:`resolve_transport`) and ``platform`` picks
+    the expert-compute backend. ``slot_counts`` are the rows each of this device's ``P / ep`` slots received.
+    """
+    if transport not in TRANSPORTS or transport == "auto":
+        raise ValueError(
+            f"transport: {transport!r} is not a concrete transport; expected one of {TRANSPORTS[1:]} "
+            "(resolve 'auto' with resolve_transport)"
+        )
+    if placement.num_slots % ep:
+        raise ValueError(
+            f"placement: {placement.num_slots} slots are not a multiple of expert_parallel_size = {ep}"
+        )
+    out, counts = _local_moe(
+        x,
+        routing.ids,
+        routing.weights,
+        local_experts,
+        placement,
+        ep=ep,
+        numerics=numerics,
+        swiglu_limit=swiglu_limit,
+        weight_before_down=weight_before_down,
+        transport=transport,
+        platform=platform,
+    )
+    return MoEOutput(out=out.astype(out_dtype or x.dtype), slot_counts=counts)
 
 
 def ep_moe_experts(

@@ -188,8 +188,8 @@ def test_construction_errors(tmp_path):
         LLM("tiny-v3", dtype="float32", kv_cache_memory="1KiB")
     with pytest.raises(TypeError, match="max_num_seqs"):
         LLM("tiny-v3", max_num_seqs="8")
-    with pytest.raises(NotImplementedError, match="data_parallel_size"):
-        LLM("tiny-v3", data_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        LLM("tiny-v3", data_parallel_size=16)  # 16 devices asked, 8 exist
     with pytest.raises(ValueError, match="max_num_seqs"):
         LLM("tiny-v3", **{"scheduler.max_num_seqs": 4})
     with pytest.raises(ValueError, match=r"model\.vocab_size"):

@@ -1,0 +1,48 @@
+"""One process of the 2-process x 4-CPU-device engine run of ``test_engine_mesh.py`` (started by that test).
+
+Usage: ``python mesh_worker.py PROCESS_ID PORT PROMPTS_JSON OUT_JSON``. Builds ``LLM("tiny-v3")`` on a
+``dp=2, ep=4`` mesh over the 8 devices of both processes (the ``parallel.*`` settings make the ``LLM`` join the
+distributed system), generates greedily for the prompts and writes this process's outputs as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+# Before jax is imported: four CPU devices per process, no accelerator.
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+
+
+def main(process_id: int, port: int, prompts_path: str, out_path: str) -> None:
+    from deepinfer_jax.engine.llm import LLM
+    from deepinfer_jax.engine.params import SamplingParams
+
+    with open(prompts_path) as f:
+        prompts = json.load(f)
+    llm = LLM(
+        "tiny-v3",
+        dtype="float32",
+        data_parallel_size=2,
+        expert_parallel_size=4,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        kv_cache_memory="8MiB",
+        **{
+            "cache.block_size": 16,
+            "parallel.coordinator_address": f"localhost:{port}",
+            "parallel.num_processes": 2,
+            "parallel.process_id": process_id,
+            "parallel.initialization_timeout_s": 120.0,
+        },
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    with open(out_path, "w") as f:
+        json.dump({"tokens": [o.outputs[0].token_ids for o in outputs], "steps": llm.last_stats.steps}, f)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
