@@ -127,6 +127,7 @@ def test_replacement_keeps_logits_and_compiled_step():
     forward = jax.jit(model.family.forward_logits, static_argnums=1)
     ids = _ids("tiny-v3")
     before = np.asarray(forward(sharded.params, model.config, ids))
+    compiled = forward._cache_size()  # jit caches are shared by wrappers of one function: count the delta
     updates = {}
     for where, layer in slot_expert_layers(sharded.params).items():
         # Reversed order, and the replicas go to experts 7..4 instead of 0..3: every slot moves.
@@ -134,7 +135,7 @@ def test_replacement_keeps_logits_and_compiled_step():
         updates[where] = layer.with_placement(placement_from_slots(slots, layer.num_experts))
     moved = replace_slot_experts(sharded.params, updates)
     after = np.asarray(forward(moved, model.config, ids))
-    assert forward._cache_size() == 1
+    assert forward._cache_size() == compiled
     np.testing.assert_array_equal(after.argmax(-1), before.argmax(-1))
     np.testing.assert_allclose(after, before, **TOL)
     np.testing.assert_allclose(after, _reference("tiny-v3"), **TOL)
