@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,7 +51,7 @@ from deepinfer_jax.engine.params import RequestOutput, SamplingParams
 from deepinfer_jax.engine.plan import StepPlan, choose_bucket
 from deepinfer_jax.engine.runner import EngineRunner, RunStats, step_arguments
 from deepinfer_jax.engine.scheduler import Scheduler
-from deepinfer_jax.engine.step import StepInputs, StepOutput, init_state, step
+from deepinfer_jax.engine.step import CompiledStep, StepInputs, StepOutput, init_state, step
 from deepinfer_jax.models.common.linear import LinearNumerics
 from deepinfer_jax.models.common.moe import Routing
 from deepinfer_jax.ops.moe_kernels import register_expert_layout
@@ -555,11 +553,7 @@ def mesh_step(
     return fn(params, cache, state, *args)
 
 
-def _struct(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=getattr(x, "sharding", None))
-
-
-class MeshStepExecutor:
+class MeshStepExecutor(CompiledStep):
     """Runs :func:`mesh_step` for one model on one mesh, compiling each global bucket once, on first use.
 
     Holds the stacked per-device caches and states (donated to every step). Like
@@ -586,45 +580,25 @@ class MeshStepExecutor:
         return_logits: bool = False,
         batch_invariant: bool = False,
     ) -> None:
-        if not isinstance(model, PagedModel):
-            raise TypeError(f"model: expected a PagedModel, got {type(model).__name__}")
-        for name, value, low in (
-            ("max_blocks_per_seq", max_blocks_per_seq, 1),
-            ("num_blocks", num_blocks, 2),
-            ("num_slots", num_slots, 1),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+        super().__init__(
+            mesh_step,
+            params,
+            model,
+            num_blocks=num_blocks,
+            num_slots=num_slots,
+            max_blocks_per_seq=max_blocks_per_seq,
+            return_logits=return_logits,
+            batch_invariant=batch_invariant,
+            static={"mesh": mesh},
+            lead=1,
+        )
         dp, ep = mesh_sizes(mesh)
-        self.params = params
-        self.model = model
         self.mesh = mesh
         self.num_devices = dp * ep
-        self.num_blocks = num_blocks
-        self.max_blocks_per_seq = max_blocks_per_seq
-        self.vocab_size = int(model.vocab_size)
         self._sharding = NamedSharding(mesh, DEVICE_SPEC)
         self.cache = self._stacked(lambda: model.init_cache(num_blocks, num_slots))
         self.state = self._stacked(lambda: init_state(num_slots, self.vocab_size))
         self._num_slots = num_slots
-        self._jitted = jax.jit(
-            mesh_step,
-            static_argnames=(
-                "mesh",
-                "model",
-                "num_logprobs",
-                "num_prompt_logprobs",
-                "batch_invariant",
-                "return_logits",
-            ),
-            donate_argnums=(1, 2),
-        )
-        self._return_logits = bool(return_logits)
-        self._batch_invariant = bool(batch_invariant)
-        self._compiled: dict[tuple[int, ...], Any] = {}
-        self._lock = threading.Lock()
-        self.compile_count = 0
-        self.compile_seconds = 0.0
 
     def _stacked(self, make: Callable[[], Any]) -> Any:
         """``make()``'s pytree once per device, stacked on a leading device axis and created in place, sharded."""
@@ -633,41 +607,6 @@ class MeshStepExecutor:
             lambda: jax.tree.map(lambda a: jnp.broadcast_to(a[None], (d, *a.shape)), make()),
             out_shardings=self._sharding,
         )()
-
-    @property
-    def compiled_buckets(self) -> tuple[tuple[int, int], ...]:
-        """The global ``(T, S)`` buckets compiled so far."""
-        return tuple(sorted({key[:2] for key in self._compiled}))
-
-    def _executable(self, args: tuple[Any, ...], num_logprobs: int, num_prompt_logprobs: int) -> Any:
-        inputs, sampling = args[0], args[1]
-        key = (
-            int(inputs.token_ids.shape[1]),
-            int(inputs.seq_slots.shape[1]),
-            int(sampling.masked_ids.shape[2]),
-            num_logprobs,
-            num_prompt_logprobs,
-        )
-        with self._lock:
-            fn = self._compiled.get(key)
-            if fn is None:
-                start = time.perf_counter()
-                fn = self._jitted.lower(
-                    self.params,
-                    jax.tree.map(_struct, self.cache),
-                    jax.tree.map(_struct, self.state),
-                    *jax.tree.map(_struct, args),
-                    mesh=self.mesh,
-                    model=self.model,
-                    num_logprobs=num_logprobs,
-                    num_prompt_logprobs=num_prompt_logprobs,
-                    batch_invariant=self._batch_invariant,
-                    return_logits=self._return_logits,
-                ).compile()
-                self.compile_seconds += time.perf_counter() - start
-                self.compile_count += 1
-                self._compiled[key] = fn
-        return fn
 
     def run(
         self,
@@ -695,9 +634,7 @@ class MeshStepExecutor:
             args = (*args, np.asarray(prompt_targets, np.int32))
             variant = int(num_prompt_logprobs)
         args = jax.tree.map(lambda a: place_on_mesh(a, self._sharding), args)
-        fn = self._executable(args, int(num_logprobs), variant)
-        self.cache, self.state, out = fn(self.params, self.cache, self.state, *args)
-        return out
+        return self._dispatch(args, int(num_logprobs), variant)
 
     def reset_state(self) -> None:
         """Zero every device's per-slot state; the caches need no reset (every read follows its write)."""

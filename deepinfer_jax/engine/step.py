@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -50,6 +51,7 @@ from deepinfer_jax.sampling import (
 
 __all__ = [
     "BATCH_INVARIANT_TILE",
+    "CompiledStep",
     "PromptLogprobs",
     "StepExecutor",
     "StepInputs",
@@ -274,29 +276,36 @@ def _struct(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=getattr(x, "sharding", None))
 
 
-class StepExecutor:
-    """Runs :func:`step` for one model and one cache, compiling each ``(T, S)`` bucket once, on first use.
+class CompiledStep:
+    """What every step executor shares: the checked sizes, the jitted step and its ahead-of-time variants.
 
-    Holds the device cache and state between calls (they are donated to every step and replaced by its
-    outputs). :meth:`run` dispatches a step and returns its :class:`StepOutput` without waiting for it, so the
-    caller can build and dispatch the next step before reading this one's tokens.
+    ``step_fn`` is :func:`step` or a wrapper with the same arguments (the mesh step); ``static`` adds its own
+    static keyword arguments (``model`` is always one). The variant key is ``(T, S, mask width, num_logprobs,
+    prompt-logprob width)``, read at axis ``lead`` of the inputs (1 when they carry a leading device axis). A
+    shape outside the compiled set compiles once, counted, instead of recompiling silently. Subclasses create
+    ``self.cache`` and ``self.state`` and dispatch through :meth:`_dispatch`.
 
     Attributes:
-      compile_count: compilations done so far (one per bucket used).
+      compile_count: compilations done so far (one per variant used).
       compile_seconds: total wall time spent compiling.
     """
 
+    cache: Any
+    state: Any
+
     def __init__(
         self,
+        step_fn: Callable[..., Any],
         params: Params,
         model: PagedModel,
         *,
         num_blocks: int,
         num_slots: int,
         max_blocks_per_seq: int,
-        return_logits: bool = False,
-        batch_invariant: bool = False,
-        cache_sharding: Any = None,
+        return_logits: bool,
+        batch_invariant: bool,
+        static: dict[str, Any] | None = None,
+        lead: int = 0,
     ) -> None:
         if not isinstance(model, PagedModel):
             raise TypeError(f"model: expected a PagedModel, got {type(model).__name__}")
@@ -311,13 +320,13 @@ class StepExecutor:
         self.model = model
         self.num_blocks = num_blocks
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.cache = model.init_cache(num_blocks, num_slots, cache_sharding)
         self.vocab_size = int(model.vocab_size)
-        self.state = init_state(num_slots, self.vocab_size)
+        self._static = {"model": model, **(static or {})}
+        self._lead = lead
         self._jitted = jax.jit(
-            step,
+            step_fn,
             static_argnames=(
-                "model",
+                *self._static,
                 "num_logprobs",
                 "num_prompt_logprobs",
                 "batch_invariant",
@@ -337,12 +346,13 @@ class StepExecutor:
         """The ``(T, S)`` buckets compiled so far (a bucket may have variants by mask width and logprobs)."""
         return tuple(sorted({key[:2] for key in self._compiled}))
 
-    def _executable(self, args: tuple[Any, ...], num_logprobs: int, num_prompt_logprobs: int = -1) -> Any:
+    def _executable(self, args: tuple[Any, ...], num_logprobs: int, num_prompt_logprobs: int) -> Any:
         inputs, sampling = args[0], args[1]
+        lead = self._lead
         key = (
-            int(inputs.token_ids.shape[0]),
-            int(inputs.seq_slots.shape[0]),
-            int(sampling.masked_ids.shape[1]),
+            int(inputs.token_ids.shape[lead]),
+            int(inputs.seq_slots.shape[lead]),
+            int(sampling.masked_ids.shape[lead + 1]),
             num_logprobs,
             num_prompt_logprobs,
         )
@@ -355,7 +365,7 @@ class StepExecutor:
                     jax.tree.map(_struct, self.cache),
                     jax.tree.map(_struct, self.state),
                     *jax.tree.map(_struct, args),
-                    model=self.model,
+                    **self._static,
                     num_logprobs=num_logprobs,
                     num_prompt_logprobs=num_prompt_logprobs,
                     batch_invariant=self._batch_invariant,
@@ -365,6 +375,47 @@ class StepExecutor:
                 self.compile_count += 1
                 self._compiled[key] = fn
         return fn
+
+    def _dispatch(self, args: tuple[Any, ...], num_logprobs: int, num_prompt_logprobs: int) -> StepOutput:
+        """Run the variant for ``args`` on the held cache and state (both donated and replaced)."""
+        fn = self._executable(args, num_logprobs, num_prompt_logprobs)
+        self.cache, self.state, out = fn(self.params, self.cache, self.state, *args)
+        return out
+
+
+class StepExecutor(CompiledStep):
+    """Runs :func:`step` for one model and one cache, compiling each ``(T, S)`` bucket once, on first use.
+
+    Holds the device cache and state between calls (they are donated to every step and replaced by its
+    outputs). :meth:`run` dispatches a step and returns its :class:`StepOutput` without waiting for it, so the
+    caller can build and dispatch the next step before reading this one's tokens. Compilation is counted as
+    :class:`CompiledStep` describes.
+    """
+
+    def __init__(
+        self,
+        params: Params,
+        model: PagedModel,
+        *,
+        num_blocks: int,
+        num_slots: int,
+        max_blocks_per_seq: int,
+        return_logits: bool = False,
+        batch_invariant: bool = False,
+        cache_sharding: Any = None,
+    ) -> None:
+        super().__init__(
+            step,
+            params,
+            model,
+            num_blocks=num_blocks,
+            num_slots=num_slots,
+            max_blocks_per_seq=max_blocks_per_seq,
+            return_logits=return_logits,
+            batch_invariant=batch_invariant,
+        )
+        self.cache = model.init_cache(num_blocks, num_slots, cache_sharding)
+        self.state = init_state(num_slots, self.vocab_size)
 
     def run(
         self,
@@ -404,9 +455,7 @@ class StepExecutor:
                 )
             args = (*args, prompt_targets)
             variant = int(num_prompt_logprobs)
-        fn = self._executable(args, int(num_logprobs), variant)
-        self.cache, self.state, out = fn(self.params, self.cache, self.state, *args)
-        return out
+        return self._dispatch(args, int(num_logprobs), variant)
 
     def reset_state(self) -> None:
         """Zero the per-slot state; the cache needs no reset (every read is preceded by its write)."""
