@@ -23,9 +23,8 @@ without ever gathering a sequence's whole compressed context with its full head 
   (probability mass without a value, DeepSeek-V4's attention sinks).
 * :func:`attend_dense` -- the same state for keys already gathered per token (``[T, K, D]`` with a mask), e.g.
   the window from :func:`~deepinfer_jax.cache.ragged.history` or the top-k entries.
-* :func:`emitting_tokens` and :func:`history_at` -- for compressors: the indices of the (few) tokens that
-  complete a compressed entry in this step, and :func:`~deepinfer_jax.cache.ragged.history` restricted to
-  them, so the ``r`` (or ``2r``) projections an entry pools are gathered for those tokens only
+* :func:`emitting_tokens` -- for compressors: the indices of the (few) tokens that complete a compressed entry
+  in this step; :func:`~deepinfer_jax.cache.ragged.history` with ``index=`` those tokens gathers only for them, so the ``r`` (or ``2r``) projections an entry pools are gathered for those tokens only
   (``(T // r + S) · depth`` items rather than ``T · depth``).
 
 Every read is masked by position and validity, never by stored zeros: a state slot or a block is reused by a
@@ -49,7 +48,6 @@ __all__ = [
     "attend_dense",
     "emitting_tokens",
     "finish_softmax",
-    "history_at",
     "merge_softmax",
     "paged_attend_all",
     "paged_scores",
@@ -308,40 +306,3 @@ def emitting_tokens(meta: RaggedMeta, ratio: int) -> jax.Array:
     emits = meta.valid & ((meta.positions + 1) % ratio == 0)
     (index,) = jnp.nonzero(emits, size=bound, fill_value=tokens)
     return index.astype(jnp.int32)
-
-
-def history_at(ring: Any, new: Any, meta: RaggedMeta, index: jax.Array, depth: int) -> tuple[Any, jax.Array]:
-    """:func:`~deepinfer_jax.cache.ragged.history` for the tokens ``index [E]`` only (``>= T`` = none).
-
-    Returns ``(items, present)``: leaves ``[E, depth, ...]`` holding positions ``p - depth + 1 .. p`` of each
-    selected token's row (from this step's ``new [T, ...]`` items or the slot's ring ``[num_slots, R, ...]``,
-    ``R >= depth - 1``), and bool ``[E, depth]``, false for negative positions and for entries of ``index``
-    that name no real token.
-    """
-    ring_len = jax.tree.leaves(ring)[0].shape[1]
-    if ring_len < depth - 1:
-        raise ValueError(
-            f"history_at: the ring holds {ring_len} positions, fewer than depth - 1 = {depth - 1}"
-        )
-    tokens = meta.num_tokens
-    named = (index >= 0) & (index < tokens)
-    safe = jnp.where(named, index, 0)
-    real = named & meta.valid[safe]
-    row = meta.row[safe]
-    offs = jnp.arange(depth, dtype=jnp.int32) - (depth - 1)
-    pos = meta.positions[safe][:, None] + offs[None, :]  # [E, depth]
-    present = (pos >= 0) & real[:, None]
-    start = meta.row_start[row][:, None]
-    in_step = pos >= start
-    new_index = jnp.where(in_step & present, meta.query_start[row][:, None] + (pos - start), tokens)
-    slot = jnp.where(present & ~in_step, meta.slot[safe][:, None], -1)
-    ring_index = jnp.mod(pos, ring_len)
-
-    def pick(r: jax.Array, n: jax.Array) -> jax.Array:
-        from_new = n.at[new_index].get(mode="fill", fill_value=0)
-        safe_slot = jnp.where(slot >= 0, slot, r.shape[0])
-        from_ring = r.at[safe_slot, ring_index].get(mode="fill", fill_value=0).astype(n.dtype)
-        sel = in_step.reshape(in_step.shape + (1,) * (n.ndim - 1))
-        return jnp.where(sel, from_new, from_ring)
-
-    return jax.tree.map(pick, ring, new), present

@@ -111,7 +111,9 @@ def make_meta(
     )
 
 
-def history(ring: Any, new: Any, meta: RaggedMeta, depth: int) -> tuple[Any, jax.Array]:
+def history(
+    ring: Any, new: Any, meta: RaggedMeta, depth: int, *, index: jax.Array | None = None
+) -> tuple[Any, jax.Array]:
     """Items at positions ``p - depth + 1 .. p`` of each token's own row: ``(items, present)``.
 
     Args:
@@ -121,24 +123,37 @@ def history(ring: Any, new: Any, meta: RaggedMeta, depth: int) -> tuple[Any, jax
       new: this step's items, a pytree of the same structure with leaves ``[T, ...]`` (token-major).
       meta: the step's addressing.
       depth: how many positions each token looks back (itself included).
+      index: int ``[E]``, only these tokens (``>= T`` or negative = none); a compressor reads the window of
+        the few tokens that complete an entry. Default: every token (``E = T``).
 
     Returns:
-      ``items``: the pytree with leaves ``[T, depth, ...]``; index ``j`` holds position ``p - depth + 1 + j``.
-      ``present``: bool ``[T, depth]``, false for negative positions and for padding tokens (their items are
-      zeros from the fill, and the caller masks them).
+      ``items``: the pytree with leaves ``[E, depth, ...]``; index ``j`` holds position ``p - depth + 1 + j``.
+      ``present``: bool ``[E, depth]``, false for negative positions, padding tokens and entries of ``index``
+      that name no token (their items are zeros from the fill, and the caller masks them).
     """
     ring_len = jax.tree.leaves(ring)[0].shape[1]
     if ring_len < depth - 1:
         raise ValueError(f"history: the ring holds {ring_len} positions, fewer than depth - 1 = {depth - 1}")
     tokens = meta.num_tokens
+    if index is None:
+        real, row, positions, slots = meta.valid, meta.row, meta.positions, meta.slot
+    else:
+        named = (index >= 0) & (index < tokens)
+        safe = jnp.where(named, index, 0)
+        real, row, positions, slots = (
+            named & meta.valid[safe],
+            meta.row[safe],
+            meta.positions[safe],
+            meta.slot[safe],
+        )
     offs = jnp.arange(depth, dtype=jnp.int32) - (depth - 1)
-    pos = meta.positions[:, None] + offs[None, :]  # [T, depth]
-    present = (pos >= 0) & meta.valid[:, None]
-    start = meta.row_start[meta.row][:, None]
+    pos = positions[:, None] + offs[None, :]  # [E, depth]
+    present = (pos >= 0) & real[:, None]
+    start = meta.row_start[row][:, None]
     in_step = pos >= start
-    new_index = meta.query_start[meta.row][:, None] + (pos - start)
+    new_index = meta.query_start[row][:, None] + (pos - start)
     new_index = jnp.where(in_step & present, new_index, tokens)  # out of range -> fill
-    slot = jnp.where(present & ~in_step, meta.slot[:, None], -1)
+    slot = jnp.where(present & ~in_step, slots[:, None], -1)
     ring_index = jnp.mod(pos, ring_len)
 
     def pick(r: jax.Array, n: jax.Array) -> jax.Array:

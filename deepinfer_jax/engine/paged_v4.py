@@ -19,7 +19,7 @@ A layer of a step (``T`` tokens of many rows, each at its own position, prefill 
 2. the window keys of each token from this step's keys or the slot's ring
    (:func:`~deepinfer_jax.cache.ragged.history`), then the ring update;
 3. compressed layers: the tokens that complete an entry (``(p + 1) % r == 0``, at most ``T // r + S`` of them)
-   gather the ``r``/``2r`` projections they pool (:func:`~deepinfer_jax.cache.paged_walk.history_at`), pool
+   gather the ``r``/``2r`` projections they pool (:func:`~deepinfer_jax.cache.ragged.history` with ``index=``), pool
    them with op ``v4_compressor_pool``, normalise, rotate to the entry's first position and write the entry
    into its page -- before any query reads, so later tokens of the same step (and the emitting token itself)
    see it, as in the contiguous model;
@@ -526,7 +526,7 @@ class V4PagedModel(PagedModel):
         depth, feats = kv_ring.shape[1], kv_ring.shape[2]
         width = feats // 2 if spec.kind == CSA else feats
         emitters = pw.emitting_tokens(meta, ratio)  # [E]
-        (hk, hg), present = pw.history_at((kv_ring, gate_ring), (kv, gate), meta, emitters, depth)
+        (hk, hg), present = history((kv_ring, gate_ring), (kv, gate), meta, depth, index=emitters)
         # The first pooled position is a multiple of r, so the slot of position j within its window is j % r.
         ape = jnp.tile(cp["ape"].astype(jnp.float32), (depth // ratio, 1))  # [depth, F]
         hg = jnp.where(present[..., None], hg + ape, -jnp.inf)

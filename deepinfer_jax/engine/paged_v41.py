@@ -50,7 +50,6 @@ from deepinfer_jax.cache.paged_walk import (
     attend_dense,
     emitting_tokens,
     finish_softmax,
-    history_at,
     merge_softmax,
     paged_scores,
     topk_entries,
@@ -684,7 +683,7 @@ class V41PagedModel(PagedModel):
         a, g = rowwise(projections, tile, u)
         slot = self.pending_sources.index(lp.layer)
         ring = cache["pending"][slot]
-        (pa, pg), _ = history_at(ring, (a, g), meta, emitted, lp.ratio)  # [E, r, D] each
+        (pa, pg), _ = history(ring, (a, g), meta, lp.ratio, index=emitted)  # [E, r, D] each
         cache["pending"][slot] = ring_write(ring, (a, g), meta, after=(pa, pg))
 
         def pool(pa: jax.Array, pg: jax.Array) -> jax.Array:

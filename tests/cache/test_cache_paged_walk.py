@@ -187,7 +187,6 @@ def test_geometry_is_checked():
         )
 
 
-_history_at = jax.jit(pw.history_at, static_argnums=4)
 _history = jax.jit(ragged.history, static_argnums=3)
 _emitting = jax.jit(pw.emitting_tokens, static_argnums=1)
 
@@ -210,7 +209,7 @@ def test_emitters_and_their_history_match_history_of_every_token(data, ratio, nu
     seq, pos = np.asarray(meta.token_seq), np.asarray(meta.positions)
     want = [t for t in range(meta.num_tokens) if seq[t] < num_rows and (pos[t] + 1) % ratio == 0]
     assert index.tolist() == want + [meta.num_tokens] * (len(index) - len(want))
-    items, present = _history_at(jnp.asarray(ring), jnp.asarray(new), meta, jnp.asarray(index), depth)
+    items, present = _history(jnp.asarray(ring), jnp.asarray(new), meta, depth, index=jnp.asarray(index))
     full, full_present = _history(jnp.asarray(ring), jnp.asarray(new), meta, depth)
     items, present, full, full_present = map(np.asarray, (items, present, full, full_present))
     for e, t in enumerate(index):
