@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from quant_reference import f32, np_fp4_e4m3, np_mxfp4, np_mxfp8  # tests/quant_reference.py
 
 from deepinfer_jax.checkpoint.model_loading import load_model
 from deepinfer_jax.config.model import ModelConfig
@@ -37,45 +38,6 @@ FP4_LUT = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4
 
 
 # ----------------------------------------------------------------------- independent quantise-dequantise
-
-
-def _pow2_scale(amax: np.ndarray, qmax: float) -> np.ndarray:
-    """UE8M0 rule: the smallest power of two >= float32(amax / qmax) (spec §12)."""
-    q = (amax.astype(np.float32) / np.float32(qmax)).astype(np.float64)
-    mant, exp = np.frexp(q)  # q = mant * 2**exp, mant in [0.5, 1)
-    return np.ldexp(1.0, np.where(mant == 0.5, exp - 1, exp))
-
-
-def np_mxfp8(x: Any) -> np.ndarray:
-    """MXFP8 round trip along the last axis: E4M3 codes, one power-of-two scale per 32 (margin 1e-4)."""
-    x = np.asarray(x, np.float32).astype(np.float64)
-    g = x.reshape(*x.shape[:-1], -1, 32)
-    sf = _pow2_scale(np.maximum(np.abs(g).max(-1, keepdims=True), 1e-4), 448.0)
-    codes = np.clip(g / sf, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    return (codes * sf).reshape(x.shape)
-
-
-def np_mxfp4(x: Any) -> np.ndarray:
-    """MXFP4 round trip along the last axis: E2M1 codes (RNE, saturating), power-of-two scale per 32."""
-    x = np.asarray(x, np.float32).astype(np.float64)
-    g = x.reshape(*x.shape[:-1], -1, 32)
-    sf = _pow2_scale(np.maximum(np.abs(g).max(-1, keepdims=True), 6 * 2.0**-126), 6.0)
-    codes = np.clip(g / sf, -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float64)
-    return (codes * sf).reshape(x.shape)
-
-
-def np_fp4_e4m3(x: Any) -> np.ndarray:
-    """FP4 with E4M3 per-16 scales (spec §12.3.2): sf = e4m3(min(amax/6, 448)), codes e2m1(x / sf)."""
-    x = np.asarray(x, np.float32)
-    g = x.reshape(*x.shape[:-1], -1, 16)
-    amax = np.maximum(np.abs(g).max(-1, keepdims=True), np.float32(6 * 2.0**-9))
-    sf = np.minimum(amax / np.float32(6), np.float32(448)).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    codes = np.clip(g / sf, -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
-    return (codes.astype(np.float64) * sf).reshape(x.shape)
-
-
-def f32(x: Any) -> np.ndarray:
-    return np.asarray(jnp.asarray(x).astype(jnp.float32))
 
 
 def _ue8m0(s: np.ndarray) -> np.ndarray:
