@@ -138,9 +138,6 @@ class PagedModel(abc.ABC):
         (batch-invariant mode).
         """
 
-    def check_block_size(self, block_size: int) -> None:  # noqa: B027 - optional hook, no-op by default
-        """Refuse a cache block size the family cannot page (default: any)."""
-
 
 def zeros(shape: tuple[int, ...], dtype: Any, sharding: Any = None) -> jax.Array:
     """A zeroed device array, optionally created directly with ``sharding``."""

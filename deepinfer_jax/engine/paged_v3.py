@@ -5,7 +5,7 @@ Every layer writes each token's MLA latent (``c`` and the rotated ``k_pe``) into
 (the absorbed form: queries are mapped into the latent space by ``W_UK``, outputs out of it by ``W_UV``). The
 MLP/MoE block is the contiguous model's own (``deepseek_v3.model.feed_forward``), so both paths share one
 implementation of DeepSeekMoE. In batch-invariant mode every per-token computation runs in fixed tiles
-(:func:`~deepinfer_jax.engine.paged_model.rowwise`); attention is per token already.
+(:func:`~deepinfer_jax.engine.paged_model.rowwise`), the attention included.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def paged_decoder_layer(
     The same pre-norm residual block as the contiguous-cache model: ``x + attn(norm(x))`` then
     ``x + mlp(norm(x))`` (dense MLP or DeepSeekMoE), with the attention reading the paged cache through op
     ``"paged_mla_attention"``. ``cos``/``sin`` are the ``[T, R/2]`` RoPE tables of the tokens' positions. With
-    ``tile``, every per-token computation runs in fixed tiles of that many tokens (:func:`_rowwise`).
+    ``tile``, every per-token computation runs in fixed tiles of that many tokens (:func:`rowwise`).
     """
     cfg = pl.cfg
     rms_norm = select("rms_norm")

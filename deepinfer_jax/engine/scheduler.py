@@ -762,22 +762,26 @@ class Scheduler:
     ) -> None:
         lo, hi = int(plan.query_start[row]), int(plan.query_start[row + 1])
         assert req.prompt_logprobs is not None
+        targets = [
+            (t, p + 1)
+            for t, p in zip(range(lo, hi), plan.positions[lo:hi].tolist())
+            if p + 1 < req.prompt_len and req.prompt_logprobs[p + 1] is None
+        ]
+        if not targets:
+            return
+        if arrays is None:
+            raise ValueError(
+                f"request {req.request_id!r} asked for prompt_logprobs, but process_outputs got none"
+            )
+        lp, rk, ids, lps = (np.asarray(a) for a in arrays)
         n = req.params.prompt_logprobs or 0
-        for t in range(lo, hi):
-            target_pos = int(plan.positions[t]) + 1
-            if target_pos >= req.prompt_len or req.prompt_logprobs[target_pos] is not None:
-                continue
-            if arrays is None:
-                raise ValueError(
-                    f"request {req.request_id!r} asked for prompt_logprobs, but process_outputs got none"
-                )
-            lp, rk, ids, lps = (np.asarray(a) for a in arrays)
+        if ids.shape[-1] < n:
+            raise ValueError(
+                f"request {req.request_id!r} asked for {n} prompt logprobs; process_outputs got {ids.shape[-1]}"
+            )
+        for t, target_pos in targets:
             token = int(req.prompt_token_ids[target_pos])
             entry = {token: Logprob(float(lp[t]), int(rk[t]), self._decode_one(token))}
-            if ids.shape[-1] < n:
-                raise ValueError(
-                    f"request {req.request_id!r} asked for {n} prompt logprobs; process_outputs got {ids.shape[-1]}"
-                )
             for j in range(n):
                 alt = int(ids[t, j])
                 if alt not in entry:
