@@ -28,6 +28,7 @@ from deepinfer_jax.checkpoint.model_loading import DTYPES, load_model
 from deepinfer_jax.config import load_config
 from deepinfer_jax.engine import chat as _chat
 from deepinfer_jax.engine.buckets import step_buckets
+from deepinfer_jax.engine.mesh_eplb import MeshExpertBalancer
 from deepinfer_jax.engine.multi_device import (
     MeshRunner,
     MeshScheduler,
@@ -42,7 +43,7 @@ from deepinfer_jax.engine.runner import EngineRunner, RunStats
 from deepinfer_jax.engine.scheduler import Scheduler
 from deepinfer_jax.engine.step import StepExecutor, state_bytes
 from deepinfer_jax.models import builtin
-from deepinfer_jax.parallel import distributed, mesh_from_config
+from deepinfer_jax.parallel import distributed, mesh_from_config, slot_expert_layers
 from deepinfer_jax.text.output_parser import ChatOutput
 from deepinfer_jax.text.tokenizer import Tokenizer
 
@@ -360,6 +361,8 @@ class LLM:
             min_bucket_fill=config.scheduler.min_bucket_fill,
         )
         self.last_stats: RunStats | None = None
+        self.expert_balancer: MeshExpertBalancer | None = None
+        """EPLB of a mesh with ``expert_parallel_size > 1`` (:mod:`deepinfer_jax.engine.mesh_eplb`), else None."""
         self._next_id = 0
         if mesh is not None:
             self._start_mesh(mesh, make_scheduler, num_blocks=spec.num_blocks, num_slots=num_slots)
@@ -380,6 +383,12 @@ class LLM:
     def _start_mesh(self, mesh: Any, make_scheduler: Any, *, num_blocks: int, num_slots: int) -> None:
         """The engine on a mesh: one scheduler per device behind a router, one global step, its runner."""
         self.scheduler = MeshScheduler([make_scheduler() for _ in range(mesh.devices.size)])
+        # EPLB and the moe_lb statistics need an expert-parallel group (spec/engine.md §11.3: ep > 1).
+        parallel = self.config.parallel
+        if parallel.expert_parallel_size > 1 and slot_expert_layers(self.model.params):
+            self.expert_balancer = MeshExpertBalancer(parallel, self.model.params, mesh)
+        elif parallel.eplb_interval_steps:
+            logging.info("parallel.eplb_interval_steps is set but expert_parallel_size = 1: EPLB stays off")
         self.executor = MeshStepExecutor(
             self.model.params,
             self.paged_model,
@@ -388,12 +397,14 @@ class LLM:
             num_slots=num_slots,
             max_blocks_per_seq=self.scheduler.max_blocks_per_seq,
             batch_invariant=self.batch_invariant,
+            expert_counts=self.expert_balancer is not None,
         )
         self.runner = MeshRunner(
             self.scheduler,
             self.executor,
             vocab_size=self.model.config.vocab_size,
             eos_token_ids=self.eos_token_ids,
+            balancer=self.expert_balancer,
         )
 
     # -------------------------------------------------------------------------------------- inputs

@@ -33,10 +33,11 @@ when set, is a per-device count.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from deepinfer_jax.cache.plan import MemoryPlan
 from deepinfer_jax.checkpoint.model_loading import Model
+from deepinfer_jax.engine.mesh_eplb import MeshExpertBalancer
 from deepinfer_jax.engine.paged_model import PagedModel
 from deepinfer_jax.engine.params import RequestOutput, SamplingParams
 from deepinfer_jax.engine.plan import StepPlan, choose_bucket
@@ -410,6 +412,7 @@ class ManualSlotExperts:
       ep: the expert-parallel group size (static).
       transport: a concrete transport of :mod:`deepinfer_jax.parallel.expert_parallel` (static).
       platform: the devices' platform, for the choice of the expert-compute backend (static).
+      path: the layer's dotted path in the parameter tree (static; keys the step's expert counts).
     """
 
     experts: dict[str, Any]
@@ -417,10 +420,30 @@ class ManualSlotExperts:
     ep: int
     transport: str
     platform: str
+    path: str = ""
 
 
 jax.tree_util.register_dataclass(
-    ManualSlotExperts, data_fields=["experts", "placement"], meta_fields=["ep", "transport", "platform"]
+    ManualSlotExperts,
+    data_fields=["experts", "placement"],
+    meta_fields=["ep", "transport", "platform", "path"],
+)
+
+
+@dataclasses.dataclass
+class _StepTrace:
+    """What one device's trace of :func:`mesh_step` shares with its MoE layers (trace time only).
+
+    ``valid`` marks this device's real tokens (padding tokens are routed to no expert: they cost no dispatch
+    and no expert rows, and do not count as load); ``counts`` collects each layer's rows per local slot.
+    """
+
+    valid: jax.Array
+    counts: dict[str, jax.Array]
+
+
+_STEP_TRACE: contextvars.ContextVar[_StepTrace | None] = contextvars.ContextVar(
+    "mesh_step_trace", default=None
 )
 
 
@@ -434,8 +457,15 @@ def _manual_moe_experts(
     weight_before_down: bool = False,
     out_dtype: Any = None,
 ) -> jax.Array:
-    """Op ``moe_experts`` for :class:`ManualSlotExperts`: this device's tokens, expert-parallel over ``ep``."""
-    return local_moe_experts(
+    """Op ``moe_experts`` for :class:`ManualSlotExperts`: this device's tokens, expert-parallel over ``ep``.
+
+    Inside :func:`mesh_step` the step's padding tokens are dropped from the routing (expert id ``-1``) and the
+    rows each local slot received are recorded for the step's expert counts.
+    """
+    trace = _STEP_TRACE.get()
+    if trace is not None and trace.valid.shape[0] == x.shape[0]:
+        routing = Routing(jnp.where(trace.valid[:, None], routing.ids, -1), routing.weights)
+    result = local_moe_experts(
         x,
         routing,
         experts.experts,
@@ -447,7 +477,11 @@ def _manual_moe_experts(
         out_dtype=out_dtype,
         transport=experts.transport,
         platform=experts.platform,
-    ).out
+    )
+    if trace is not None:
+        seen = trace.counts.get(experts.path)
+        trace.counts[experts.path] = result.slot_counts if seen is None else seen + result.slot_counts
+    return result.out
 
 
 register_expert_layout(ManualSlotExperts, _manual_moe_experts)
@@ -480,19 +514,20 @@ def _manual_params(params: Any, mesh: Mesh) -> Any:
     _, ep = mesh_sizes(mesh)
     platform = mesh.devices.flat[0].platform
 
-    def one(x: Any) -> Any:
+    def one(path: Any, x: Any) -> Any:
         if isinstance(x, SlotExperts):
             if x.mesh != mesh:
                 raise ValueError(
                     f"params: a MoE layer is laid out for mesh {dict(x.mesh.shape)}, but the step runs on "
                     f"{dict(mesh.shape)}; lay the parameters out with shard_model_params on the step's mesh"
                 )
+            name = jax.tree_util.keystr(path, simple=True, separator=".")
             return ManualSlotExperts(
-                x.experts, x.placement, ep, resolve_transport(x.transport, mesh), platform
+                x.experts, x.placement, ep, resolve_transport(x.transport, mesh), platform, name
             )
         return x
 
-    return jax.tree.map(one, params, is_leaf=_is_slot_experts)
+    return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_slot_experts)
 
 
 # ------------------------------------------------------------------------------------------------ step
@@ -513,30 +548,43 @@ def mesh_step(
     num_prompt_logprobs: int = -1,
     batch_invariant: bool = False,
     return_logits: bool = False,
-) -> tuple[Any, Any, StepOutput]:
+    expert_counts: bool = False,
+) -> tuple[Any, Any, Any]:
     """One global engine step: :func:`~deepinfer_jax.engine.step.step` on every device of ``mesh`` at once.
 
     Every array but ``params`` has a leading device axis of ``dp * ep`` entries, spread over the mesh
     (:data:`DEVICE_SPEC`): ``cache``, ``state`` and the step's per-device inputs; the outputs too. ``params`` is
     the tree of :func:`~deepinfer_jax.parallel.shard_model_params` (routed experts in ``ep``-sharded slots,
     everything else replicated). The keyword arguments are static, as for ``step``.
+
+    Returns ``(cache, state, out)``; with ``expert_counts`` the third item is ``(out, counts)``: for every MoE
+    layer (by dotted parameter path) the rows each device's local slots received, ``int32 [dp * ep, P / ep]``
+    (device ``d`` holds slots ``(d % ep) * P / ep`` onwards; padding tokens are not routed, so not counted).
     """
     mesh_sizes(mesh)  # a (dp, ep) mesh, or a ValueError naming its axes
 
-    def body(params: Any, cache: Any, state: Any, *args: Any) -> tuple[Any, Any, StepOutput]:
+    def body(params: Any, cache: Any, state: Any, *args: Any) -> tuple[Any, Any, Any]:
         one = functools.partial(jax.tree.map, lambda a: a[0])
-        cache, state, out = step(
-            _manual_params(params, mesh),
-            one(cache),
-            one(state),
-            *(one(a) for a in args),
-            model=model,
-            num_logprobs=num_logprobs,
-            num_prompt_logprobs=num_prompt_logprobs,
-            batch_invariant=batch_invariant,
-            return_logits=return_logits,
-        )
-        return jax.tree.map(lambda a: a[None], (cache, state, out))
+        args = tuple(one(a) for a in args)
+        inputs = args[0]
+        trace = _StepTrace(valid=inputs.token_seq < inputs.seq_slots.shape[0], counts={})
+        token = _STEP_TRACE.set(trace)
+        try:
+            cache, state, out = step(
+                _manual_params(params, mesh),
+                one(cache),
+                one(state),
+                *args,
+                model=model,
+                num_logprobs=num_logprobs,
+                num_prompt_logprobs=num_prompt_logprobs,
+                batch_invariant=batch_invariant,
+                return_logits=return_logits,
+            )
+        finally:
+            _STEP_TRACE.reset(token)
+        result = (out, trace.counts) if expert_counts else out
+        return jax.tree.map(lambda a: a[None], (cache, state, result))
 
     args: tuple[Any, ...] = (inputs, sampling, prompt_lens)
     if prompt_targets is not None:
@@ -566,6 +614,8 @@ class MeshStepExecutor(CompiledStep):
       mesh: the ``(dp, ep)`` mesh.
       num_blocks, num_slots: each device's cache blocks and state slots.
       max_blocks_per_seq: block-table width.
+      expert_counts: every step also returns its per-layer expert counts (:func:`mesh_step`), kept in
+        :attr:`expert_counts` until the next step (EPLB and the ``moe_lb`` statistics read them).
     """
 
     def __init__(
@@ -579,6 +629,7 @@ class MeshStepExecutor(CompiledStep):
         max_blocks_per_seq: int,
         return_logits: bool = False,
         batch_invariant: bool = False,
+        expert_counts: bool = False,
     ) -> None:
         super().__init__(
             mesh_step,
@@ -589,9 +640,11 @@ class MeshStepExecutor(CompiledStep):
             max_blocks_per_seq=max_blocks_per_seq,
             return_logits=return_logits,
             batch_invariant=batch_invariant,
-            static={"mesh": mesh},
+            static={"mesh": mesh, "expert_counts": bool(expert_counts)},
             lead=1,
         )
+        self.expert_counts: dict[str, jax.Array] | None = None
+        """The last dispatched step's expert counts (``None`` unless built with ``expert_counts=True``)."""
         dp, ep = mesh_sizes(mesh)
         self.mesh = mesh
         self.num_devices = dp * ep
@@ -634,7 +687,10 @@ class MeshStepExecutor(CompiledStep):
             args = (*args, np.asarray(prompt_targets, np.int32))
             variant = int(num_prompt_logprobs)
         args = jax.tree.map(lambda a: place_on_mesh(a, self._sharding), args)
-        return self._dispatch(args, int(num_logprobs), variant)
+        out = self._dispatch(args, int(num_logprobs), variant)
+        if self._static["expert_counts"]:
+            out, self.expert_counts = out
+        return out
 
     def reset_state(self) -> None:
         """Zero every device's per-slot state; the caches need no reset (every read follows its write)."""
@@ -652,12 +708,37 @@ class MeshRunStats(RunStats):
     ep: int = 1
     placeholder_plans: int = 0
     """Per-device plans that were all padding (a device with nothing to run while others ran)."""
+    eplb_rearrangements: int = 0
+    """Expert re-placements done during the run (EPLB)."""
+    moe_lb: float | None = None
+    """``Σ max / Σ mean`` rows per EP rank over the run's steps and MoE layers (1.0 = even; ``None``: not
+    measured, or no token routed)."""
 
     def summary(self, num_requests: int) -> str:
+        extra = ""
+        if self.moe_lb is not None:
+            extra = f", moe_lb {self.moe_lb:.3f}, {self.eplb_rearrangements} expert re-placements"
         return (
             f"{super().summary(num_requests)} on {self.dp * self.ep} devices (dp={self.dp} x ep={self.ep}, "
-            f"{self.placeholder_plans} placeholder plans)"
+            f"{self.placeholder_plans} placeholder plans{extra})"
         )
+
+
+class _InFlight(NamedTuple):
+    """A dispatched global step: its outputs, its expert counts and the placements it ran with."""
+
+    out: StepOutput
+    expert_counts: dict[str, jax.Array] | None
+    snapshot: Any
+    prefill: bool
+
+
+def _is_prefill(plan: MeshPlan) -> bool:
+    """No device runs a decode row (a row of one token) in this step (mesh_eplb's prefill steps)."""
+    for part in plan.plans:
+        if part is not None and (np.diff(part.query_start[: part.num_seqs + 1]) == 1).any():
+            return False
+    return True
 
 
 class MeshRunner(EngineRunner):
@@ -679,16 +760,26 @@ class MeshRunner(EngineRunner):
         *,
         vocab_size: int,
         eos_token_ids: Sequence[int] = (),
+        balancer: MeshExpertBalancer | None = None,
     ) -> None:
         if scheduler.num_devices != executor.num_devices:
             raise ValueError(
                 f"MeshRunner: {scheduler.num_devices} schedulers for a mesh of {executor.num_devices} devices"
             )
+        if balancer is not None and not executor._static["expert_counts"]:
+            raise ValueError("MeshRunner: a balancer needs an executor built with expert_counts=True")
         super().__init__(scheduler, executor, vocab_size=vocab_size, eos_token_ids=eos_token_ids)
+        self.balancer = balancer
         self.placeholder_plans = 0
         """Per-device placeholder plans dispatched so far."""
 
-    def _dispatch(self, plan: MeshPlan) -> StepOutput:
+    def _dispatch(self, plan: MeshPlan) -> _InFlight:  # type: ignore[override]
+        out = self._run_step(plan)
+        if self.balancer is None:
+            return _InFlight(out, None, None, False)
+        return _InFlight(out, self.executor.expert_counts, self.balancer.snapshot(), _is_prefill(plan))
+
+    def _run_step(self, plan: MeshPlan) -> StepOutput:
         parts = plan.plans
         tokens, seqs = plan.bucket(self.scheduler.buckets)
         width = self.scheduler.max_blocks_per_seq
@@ -724,7 +815,16 @@ class MeshRunner(EngineRunner):
             num_prompt_logprobs=prompt_wanted,
         )
 
-    def _process(self, plan: MeshPlan, out: StepOutput) -> list[RequestOutput]:
+    def _process(self, plan: MeshPlan, step: _InFlight) -> list[RequestOutput]:  # type: ignore[override]
+        finished = self._process_tokens(plan, step.out)
+        if self.balancer is not None and step.expert_counts is not None:
+            counts = {path: _to_host(c) for path, c in step.expert_counts.items()}
+            if self.balancer.observe(counts, prefill=step.prefill, snapshot=step.snapshot):
+                # The next dispatch takes the re-placed slots; the step in flight keeps the arrays it was given.
+                self.executor.params = self.balancer.rearrange(self.executor.params)
+        return finished
+
+    def _process_tokens(self, plan: MeshPlan, out: StepOutput) -> list[RequestOutput]:
         host = jax.tree.map(_to_host, out)
         finished: list[RequestOutput] = []
         for d, part in enumerate(plan.plans):
@@ -754,9 +854,20 @@ class MeshRunner(EngineRunner):
         """:meth:`EngineRunner.run <deepinfer_jax.engine.runner.EngineRunner.run>` over the mesh; the stats
         also say the layout and how many per-device placeholder plans ran."""
         before = self.placeholder_plans
+        balancer = self.balancer
+        peak, mean = (balancer.total_peak, balancer.total_mean) if balancer is not None else (0.0, 0.0)
+        replaced = balancer.rearrangements if balancer is not None else 0
         finished, stats = super().run(on_finished, poll=poll)
         dp, ep = mesh_sizes(self.executor.mesh)
         fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(RunStats)}
+        moe_lb = None
+        if balancer is not None and balancer.total_mean > mean:
+            moe_lb = (balancer.total_peak - peak) / (balancer.total_mean - mean)
         return finished, MeshRunStats(
-            **fields, dp=dp, ep=ep, placeholder_plans=self.placeholder_plans - before
+            **fields,
+            dp=dp,
+            ep=ep,
+            placeholder_plans=self.placeholder_plans - before,
+            eplb_rearrangements=(balancer.rearrangements - replaced) if balancer is not None else 0,
+            moe_lb=moe_lb,
         )

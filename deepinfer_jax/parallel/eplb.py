@@ -272,14 +272,37 @@ class ExpertLoadBalancer:
     logged, as DeepInfer does.
     """
 
-    def __init__(self, cfg: ParallelConfig, *, num_layers: int, num_experts: int) -> None:
+    def __init__(
+        self,
+        cfg: ParallelConfig,
+        *,
+        num_layers: int,
+        num_experts: int,
+        placements: Sequence[ExpertPlacement] | None = None,
+    ) -> None:
         if not isinstance(cfg, ParallelConfig):
             raise TypeError(f"cfg: expected a ParallelConfig, got {type(cfg).__name__}")
         self.ep = cfg.expert_parallel_size
         self.after_prefill = cfg.eplb_after_prefill
         self.stats_interval = cfg.moe_load_stats_interval_steps
-        placement = initial_placement(num_experts, self.ep, cfg.eplb_num_redundant_experts)
-        self.placements: list[ExpertPlacement] = [placement] * _int("num_layers", num_layers, 1)
+        num_layers = _int("num_layers", num_layers, 1)
+        if placements is None:
+            placement = initial_placement(num_experts, self.ep, cfg.eplb_num_redundant_experts)
+            self.placements: list[ExpertPlacement] = [placement] * num_layers
+        else:
+            self.placements = [_host_placement(p) for p in placements]
+            if len(self.placements) != num_layers:
+                raise ValueError(f"placements: {len(self.placements)} given for num_layers = {num_layers}")
+            shapes = {(p.num_experts, p.num_slots) for p in self.placements}
+            if len(shapes) != 1 or next(iter(shapes))[0] != num_experts:
+                raise ValueError(
+                    f"placements: (experts, slots) {sorted(shapes)}; expected one shape with {num_experts} experts"
+                )
+            if self.placements[0].num_slots % self.ep:
+                raise ValueError(
+                    f"placements: {self.placements[0].num_slots} slots are not a multiple of "
+                    f"expert_parallel_size = {self.ep}"
+                )
         self.window = ExpertLoadWindow(cfg.eplb_window_steps, num_layers, num_experts)
         self.schedule = RearrangeSchedule(cfg.eplb_interval_steps, cfg.eplb_window_steps)
         self._pending = False
@@ -293,13 +316,22 @@ class ExpertLoadBalancer:
         """Physical slots per MoE layer."""
         return self.placements[0].num_slots
 
-    def observe(self, slot_counts: Any, *, prefill: bool = False) -> bool:
+    def observe(
+        self,
+        slot_counts: Any,
+        *,
+        prefill: bool = False,
+        placements: Sequence[ExpertPlacement] | None = None,
+    ) -> bool:
         """Account one step's ``[layers, P]`` slot counts; True when :meth:`rearrange` should run now.
 
         Prefill steps are left out of the window unless ``parallel.eplb_after_prefill``, which records them and
-        asks for a re-placement at the next non-prefill step.
+        asks for a re-placement at the next non-prefill step. ``placements`` are those the step ran with when
+        they are no longer the current ones (a step dispatched before a re-placement and read after it); the
+        window converts slot counts to logical expert loads with them.
         """
         counts = np.asarray(slot_counts)
+        used = self.placements if placements is None else list(placements)
         loads = device_loads(counts, self.ep)  # [layers, ep]
         self._sum_max += float(loads.max(axis=-1).sum())
         self._sum_mean += float(loads.mean(axis=-1).sum())
@@ -312,27 +344,28 @@ class ExpertLoadBalancer:
             return False
         if prefill:
             if self.after_prefill:
-                self.window.record(counts, self.placements)
+                self.window.record(counts, used)
                 self._pending = True
             return False
-        self.window.record(counts, self.placements)
+        self.window.record(counts, used)
         due = self.schedule.step() or self._pending
         self._pending = False
         return due
 
-    def rearrange(self, slot_experts: Sequence[Any]) -> list[Any]:
-        """New placements for every layer from the window; returns the layers' moved slot weights.
+    def plan_rearrangement(self) -> list[ExpertPlacement]:
+        """New placements for every layer from the window, adopted as the current ones and returned.
 
-        ``slot_experts[i]`` is layer ``i``'s expert stacks in slot layout under the current placement. The
-        imbalance each layer's window had and is expected to have is logged.
+        The caller moves the weights (:meth:`rearrange` does it for plain slot stacks; the engine swaps each
+        layer's :class:`~deepinfer_jax.parallel.SlotExperts` with ``with_placement``). The imbalance each layer's
+        window had and is expected to have is logged. A layer that routed nothing during the window keeps its
+        placement.
         """
-        if len(slot_experts) != len(self.placements):
-            raise ValueError(
-                f"slot_experts: {len(slot_experts)} layers given, the balancer has {len(self.placements)}"
-            )
-        moved = []
-        for layer, (weights, old) in enumerate(zip(slot_experts, self.placements, strict=True)):
+        planned = []
+        for layer, old in enumerate(self.placements):
             loads = self.window.loads(layer)
+            if not loads.any():  # nothing routed through this layer in the window: no evidence to move on
+                planned.append(old)
+                continue
             new = rebalance(loads, self.num_slots, self.ep)
             logging.info(
                 "EPLB layer %d: imbalance %.3f -> %.3f (expected, over a %d-step window)",
@@ -341,6 +374,32 @@ class ExpertLoadBalancer:
                 expected_imbalance(loads, new, self.ep),
                 loads.shape[0],
             )
-            moved.append(move_experts(weights, old, new))
-            self.placements[layer] = new
-        return moved
+            planned.append(new)
+        self.placements = list(planned)
+        return planned
+
+    def rearrange(self, slot_experts: Sequence[Any]) -> list[Any]:
+        """New placements for every layer from the window; returns the layers' moved slot weights.
+
+        ``slot_experts[i]`` is layer ``i``'s expert stacks in slot layout under the current placement.
+        """
+        if len(slot_experts) != len(self.placements):
+            raise ValueError(
+                f"slot_experts: {len(slot_experts)} layers given, the balancer has {len(self.placements)}"
+            )
+        old = list(self.placements)
+        new = self.plan_rearrangement()
+        return [move_experts(w, o, n) for w, o, n in zip(slot_experts, old, new, strict=True)]
+
+
+def _host_placement(placement: ExpertPlacement) -> ExpertPlacement:
+    """``placement`` as NumPy arrays (a replicated global array is read from this process's first shard)."""
+    if not isinstance(placement, ExpertPlacement):
+        raise TypeError(f"placements: expected ExpertPlacement entries, got {type(placement).__name__}")
+
+    def host(a: Any) -> np.ndarray:
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:
+            a = a.addressable_data(0)
+        return np.asarray(a)
+
+    return ExpertPlacement(*(host(a) for a in placement))

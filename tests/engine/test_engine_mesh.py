@@ -114,24 +114,48 @@ def test_mesh_generates_what_one_device_generates(dp, ep, batch):
     assert f"on 8 devices (dp={dp} x ep={ep}" in stats.summary(len(got))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["tiny-v4", "tiny-v41"])
-def test_v4_families_on_the_mesh(name):
-    """The mesh step is family-agnostic: V4 and V4.1 (window rings and compression state in state slots, hash
-    and score routing, V4.1's drafter layers with their own 4-expert placement) give the one-device tokens on
-    dp=2, ep=4. One bucket each ((16, 4) and, per device, (16, 2)): a compile of V4/V4.1 takes tens of seconds on
-    2 cores, hence slow."""
+V4_KW = {"dtype": "float32", "kv_cache_memory": "32MiB"}
+
+
+@functools.cache
+def _one_device_greedy(name: str) -> tuple[list[list[int]], list[list[int]]]:
     prompts, _ = _batch(5, 9)
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    kw = {"dtype": "float32", "kv_cache_memory": "32MiB"}
-    one = LLM(name, max_num_seqs=4, max_num_batched_tokens=16, **kw)
+    one = LLM(name, max_num_seqs=4, max_num_batched_tokens=16, **V4_KW)
+    outs = one.generate(prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)
+    return prompts, [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp,ep", MESHES, ids=[f"dp{dp}-ep{ep}" for dp, ep in MESHES])
+@pytest.mark.parametrize("name", ["tiny-v4", "tiny-v41"])
+def test_v4_families_on_the_mesh(name, dp, ep):
+    """The mesh step is family-agnostic: V4 and V4.1 (window rings and compression state in state slots, hash
+    and score routing, V4.1's drafter layers with their own 4-expert placement) give the one-device tokens on
+    dp=2, ep=4 and dp=1, ep=8, five requests on eight devices, with EPLB re-placing the experts (hash-routed
+    layers included) every other step. One bucket each ((16, 4) and, per device, (16, 2)): a compile of
+    V4/V4.1 takes tens of seconds on 2 cores, hence slow."""
+    prompts, want = _one_device_greedy(name)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    eplb = {
+        "parallel.eplb_interval_steps": 2,
+        "parallel.eplb_window_steps": 2,
+        "parallel.eplb_num_redundant_experts": ep,
+    }
     mesh = LLM(
-        name, data_parallel_size=2, expert_parallel_size=4, max_num_seqs=16, max_num_batched_tokens=128, **kw
+        name,
+        data_parallel_size=dp,
+        expert_parallel_size=ep,
+        max_num_seqs=16,
+        max_num_batched_tokens=128,
+        **eplb,
+        **V4_KW,
     )
-    want = one.generate(prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)
     got = mesh.generate(prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    assert mesh.last_stats.placeholder_plans > 0
+    assert [o.outputs[0].token_ids for o in got] == want
+    stats = mesh.last_stats
+    assert stats.placeholder_plans > 0 and stats.eplb_rearrangements >= 1
+    assert stats.compile_count == len(mesh.executor.compiled_buckets)
 
 
 def test_prompt_logprobs_on_the_mesh():

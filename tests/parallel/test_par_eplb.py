@@ -152,3 +152,26 @@ def test_after_prefill_schedules_the_next_decode_step():
     assert lb.observe(counts, prefill=True) is False and lb.window.steps_recorded == 1
     assert lb.observe(counts) is True  # the pending re-placement, although the schedule's first is at step 25
     assert lb.observe(counts) is False
+
+
+def test_balancer_starts_from_given_placements_and_reads_counts_with_the_steps_own():
+    cfg = ParallelConfig(expert_parallel_size=2, eplb_interval_steps=4, eplb_window_steps=4)
+    start = epm.placement_from_slots(np.array([3, 2, 1, 0]), 4)  # not the initial placement
+    lb = eplb.ExpertLoadBalancer(cfg, num_layers=2, num_experts=4, placements=[start, start])
+    assert [p.slot_to_expert.tolist() for p in lb.placements] == [[3, 2, 1, 0]] * 2
+    # Slot counts [5, 0, 0, 1] under `start` are expert 3 x5 and expert 0 x1; under the initial placement they
+    # would be expert 0 x5: the window must follow the placement the step ran with.
+    counts = np.array([[5, 0, 0, 1], [0, 0, 0, 0]])
+    lb.observe(counts)
+    np.testing.assert_array_equal(lb.window.loads(0)[-1], [1, 0, 0, 5])
+    identity = epm.placement_from_slots(np.arange(4), 4)
+    lb.observe(counts, placements=[identity, identity])
+    np.testing.assert_array_equal(lb.window.loads(0)[-1], [5, 0, 0, 1])
+    # Layer 1 routed nothing during the window: it keeps its placement (no evidence to move on).
+    planned = lb.plan_rearrangement()
+    assert np.asarray(planned[1].slot_to_expert).tolist() == [3, 2, 1, 0]
+    assert np.asarray(planned[0].slot_to_expert).tolist() != [3, 2, 1, 0]
+    with pytest.raises(ValueError, match="3 given for num_layers = 2"):
+        eplb.ExpertLoadBalancer(cfg, num_layers=2, num_experts=4, placements=[start] * 3)
+    with pytest.raises(ValueError, match="expected one shape with 6 experts"):
+        eplb.ExpertLoadBalancer(cfg, num_layers=1, num_experts=6, placements=[start])
