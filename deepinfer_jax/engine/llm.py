@@ -177,6 +177,37 @@ def _default_cache_memory(params: Any, num_devices: int = 1) -> int:
     return max(int(0.9 * (limit - used)), 1) * num_devices
 
 
+def host_device() -> jax.Device | None:
+    """This process's CPU device (host memory), or ``None`` when the CPU backend is not enabled."""
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return None
+
+
+def _load_for(model_dir: Path, dtype: str, mesh: Any) -> Any:
+    """The model's parameters, read where the engine lays them out from.
+
+    On one device they go straight to the default device. On a mesh they are read and assembled in host memory
+    (the CPU device), and :func:`~deepinfer_jax.engine.multi_device.shard_model` then copies to each device
+    only what it holds: its ``P / ep`` expert slots and the replicated rest. No accelerator ever holds the whole
+    model. Without a CPU backend (``JAX_PLATFORMS`` naming only an accelerator) the default device is used,
+    with a warning.
+    """
+    if mesh is None:
+        return load_model(model_dir, dtype)
+    host = host_device()
+    if host is None:
+        logging.warning(
+            "no CPU backend (JAX_PLATFORMS = %r): the parameters are read onto the default device before they "
+            "are laid out on the mesh; add 'cpu' to JAX_PLATFORMS to read them into host memory instead",
+            os.environ.get("JAX_PLATFORMS"),
+        )
+        return load_model(model_dir, dtype)
+    with jax.default_device(host):
+        return load_model(model_dir, dtype, sharding=jax.sharding.SingleDeviceSharding(host))
+
+
 class LLM:
     """Offline inference over a DeepSeek model: ``LLM("tiny-v3").generate(["Hello"])``.
 
@@ -276,7 +307,7 @@ class LLM:
                 "the devices of every process; set data_parallel_size * expert_parallel_size to their number"
             )
         self.config = config
-        self.model = load_model(model_dir, dtype)
+        self.model = _load_for(model_dir, dtype, mesh)
         cfg = self.model.config
         self.tokenizer = _resolve_tokenizer(tokenizer, model_dir)
         eos = cfg.eos_token_id

@@ -36,7 +36,6 @@ from deepinfer_jax.parallel.expert_parallel import (
     ExpertPlacement,
     ep_moe_experts,
     initial_placement,
-    place_experts,
     resolve_transport,
 )
 from deepinfer_jax.parallel.mesh import mesh_sizes
@@ -149,6 +148,24 @@ def place_on_mesh(value: Any, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+def _slots_on_mesh(stack: Any, slot_to_expert: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """Logical expert stack ``[E, ...]`` as the slot-layout global array ``[P, ...]`` with ``sharding``.
+
+    Each device's shard is gathered on the host from the logical stack (``slot_to_expert`` of its slot range)
+    and copied to that device alone: the ``[P, ...]`` stack never exists whole, on the host or on any device,
+    and a device receives only its own slots. A stack loaded into host memory (or onto the CPU device) is read
+    in place; one on an accelerator is read back to the host once.
+    """
+    host = np.asarray(stack)
+    shape = (int(slot_to_expert.shape[0]), *host.shape[1:])
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        rows = host[slot_to_expert[index[0]]]
+        return np.ascontiguousarray(rows[(slice(None), *index[1:])])
+
+    return jax.make_array_from_callback(shape, sharding, shard)
+
+
 def _path_name(path: tuple[str, ...]) -> str:
     return ".".join(path) or "<root>"
 
@@ -229,29 +246,39 @@ def shard_model_params(
                 f"expert_parallel_size = {ep}"
             )
         seen.add(where)
-        slots = place_experts(experts, chosen)
-        laid = walk(slots, slot_axes(experts_axes), path)
+        gather = np.asarray(chosen.slot_to_expert)
+        laid = walk(dict(experts), slot_axes(experts_axes), path, gather)
         placed = jax.tree_util.tree_map(lambda a: place_on_mesh(a, replicated), chosen)
         return SlotExperts(experts=laid, placement=placed, mesh=mesh, transport=transport)
 
-    def walk(node: Any, node_axes: Any, path: tuple[str, ...]) -> Any:
+    def walk(node: Any, node_axes: Any, path: tuple[str, ...], gather: np.ndarray | None = None) -> Any:
         if isinstance(node, Mapping):
             if not isinstance(node_axes, Mapping) or set(node_axes) != set(node):
                 raise ValueError(f"axes: {_path_name(path)} does not match the parameter tree's keys")
             return {
                 k: layer(v, node_axes[k], (*path, str(k)))
-                if k == EXPERTS_KEY and isinstance(v, Mapping)
-                else walk(v, node_axes[k], (*path, str(k)))
+                if k == EXPERTS_KEY and isinstance(v, Mapping) and gather is None
+                else walk(v, node_axes[k], (*path, str(k)), gather)
                 for k, v in node.items()
             }
         if isinstance(node, (list, tuple)):
             if not isinstance(node_axes, (list, tuple)) or len(node_axes) != len(node):
                 raise ValueError(f"axes: {_path_name(path)} does not match the parameter tree's list")
-            return type(node)(walk(v, a, (*path, str(i))) for i, (v, a) in enumerate(zip(node, node_axes)))
+            return type(node)(
+                walk(v, a, (*path, str(i)), gather) for i, (v, a) in enumerate(zip(node, node_axes))
+            )
         if not _is_axes(node_axes):
             raise TypeError(f"axes: {_path_name(path)} has {node_axes!r}, expected a tuple of axis names")
-        spec = logical_to_spec(node_axes, tuple(node.shape), mesh, rules, name=_path_name(path))
-        return place_on_mesh(node, NamedSharding(mesh, spec))
+        name = _path_name(path)
+        if gather is None:
+            spec = logical_to_spec(node_axes, tuple(node.shape), mesh, rules, name=name)
+            return place_on_mesh(node, NamedSharding(mesh, spec))
+        count = int(gather.max()) + 1 if gather.size else 0
+        if node.ndim < 1 or node.shape[0] < count:
+            raise ValueError(f"{name}: shape {tuple(node.shape)}; expected [num_experts, ...] expert stacks")
+        shape = (int(gather.shape[0]), *node.shape[1:])
+        spec = logical_to_spec(node_axes, shape, mesh, rules, name=name)
+        return _slots_on_mesh(node, gather, NamedSharding(mesh, spec))
 
     out = walk(params, axes, ())
     unknown = sorted(set(by_path) - seen)
