@@ -207,6 +207,9 @@ class EngineBench:
         wall = 0.0
         online: dict[str, Any] | None = None
         w = self.workload
+        balancer = self.llm.expert_balancer
+        if balancer is not None:
+            moe_start = (balancer.total_peak, balancer.total_mean, balancer.rearrangements)
         ctx = timer.attach(self.llm) if measure_steps else contextlib.nullcontext(timer)
         with ctx:
             if w.online:
@@ -257,6 +260,12 @@ class EngineBench:
         }
         if online is not None:
             run["online"] = online
+        if balancer is not None:
+            peak, mean = balancer.total_peak - moe_start[0], balancer.total_mean - moe_start[1]
+            run["moe"] = {
+                "moe_lb": peak / mean if mean > 0 else None,
+                "eplb_rearrangements": balancer.rearrangements - moe_start[2],
+            }
         run["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
         return run
 

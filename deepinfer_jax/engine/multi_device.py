@@ -732,6 +732,11 @@ class _InFlight(NamedTuple):
     snapshot: Any
     prefill: bool
 
+    @property
+    def tokens(self) -> jax.Array:
+        """The step's sampled tokens (what a caller timing the step waits on, as on one device)."""
+        return self.out.tokens
+
 
 def _is_prefill(plan: MeshPlan) -> bool:
     """No device runs a decode row (a row of one token) in this step (mesh_eplb's prefill steps)."""

@@ -124,3 +124,36 @@ def test_step_timer_says_when_the_runner_has_no_hooks():
         "available": False,
         "reason": "the engine runner exposes no schedule/dispatch/process calls",
     }
+
+
+def test_mesh_run_reports_the_expert_load():
+    """On a mesh with EPLB the run reports ``moe_lb`` and the re-placements, as the engine's own stats say."""
+    from deepinfer_jax.bench.runner import EngineBench
+
+    w = Workload(
+        model="tiny-v3",
+        dtype="float32",
+        num_requests=6,
+        prompt_len=6,
+        output_len=6,
+        repeats=1,
+        max_num_seqs=16,
+        max_num_batched_tokens=128,
+        kv_cache_memory="8MiB",
+        data_parallel_size=2,
+        expert_parallel_size=4,
+        engine_overrides={
+            "cache.block_size": 16,
+            "parallel.eplb_interval_steps": 2,
+            "parallel.eplb_window_steps": 2,
+        },
+    )
+    bench = EngineBench(w)
+    run = bench.run()
+    stats = bench.llm.last_stats
+    assert run["moe"] == {
+        "moe_lb": pytest.approx(stats.moe_lb),
+        "eplb_rearrangements": stats.eplb_rearrangements,
+    }
+    assert run["moe"]["moe_lb"] >= 1.0 and run["moe"]["eplb_rearrangements"] >= 1
+    assert run["step_timing"].get("available", True) is not False

@@ -49,20 +49,26 @@ def _skewed(params):
     return jax.tree_util.tree_map_with_path(one, params)
 
 
+def _skewed_mesh_llm(**overrides) -> LLM:
+    """tiny-v3 on dp=2 x ep=4 (2 sequences, 32 tokens per device and step) with the skewed routing."""
+    llm = LLM(
+        "tiny-v3",
+        data_parallel_size=2,
+        expert_parallel_size=4,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        **overrides,
+        **COMMON,
+    )
+    llm.executor.params = _skewed(llm.executor.params)
+    return llm
+
+
 @functools.cache
 def _llm(mesh: bool) -> LLM:
     if mesh:
-        llm = LLM(
-            "tiny-v3",
-            data_parallel_size=2,
-            expert_parallel_size=4,
-            max_num_seqs=16,
-            max_num_batched_tokens=256,
-            **EPLB,
-            **COMMON,
-        )
-    else:
-        llm = LLM("tiny-v3", max_num_seqs=4, max_num_batched_tokens=16, **COMMON)
+        return _skewed_mesh_llm(**EPLB)
+    llm = LLM("tiny-v3", max_num_seqs=4, max_num_batched_tokens=16, **COMMON)
     llm.executor.params = _skewed(llm.executor.params)
     return llm
 
@@ -147,16 +153,7 @@ def test_eplb_rebalances_the_serving_engine_and_keeps_its_tokens():
 
 def test_eplb_off_measures_but_keeps_the_placement():
     """``eplb_interval_steps = 0`` (the default): the imbalance is measured and reported, nothing moves."""
-    llm = LLM(
-        "tiny-v3",
-        data_parallel_size=2,
-        expert_parallel_size=4,
-        max_num_seqs=16,
-        max_num_batched_tokens=256,
-        **{"parallel.eplb_num_redundant_experts": 4},
-        **COMMON,
-    )
-    llm.executor.params = _skewed(llm.executor.params)
+    llm = _skewed_mesh_llm(**{"parallel.eplb_num_redundant_experts": 4})
     params_before = llm.executor.params
     prompts, params = _requests(6, 1)
     llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
