@@ -177,6 +177,38 @@ def _default_cache_memory(params: Any, num_devices: int = 1) -> int:
     return max(int(0.9 * (limit - used)), 1) * num_devices
 
 
+def check_parallel_support(cfg: Any) -> None:
+    """Refuse ``parallel.*`` settings the engine would otherwise ignore, naming the field and what works.
+
+    Context-parallel prefill, the synthetic routing knobs of DeepInfer's profiling (``moe_force_*``) and Engram
+    tables in host memory are not built; the engine keeps Engram tables on the device (``engram_on_device``
+    ``None`` or ``True``).
+    """
+    refused = []
+    if cfg.context_parallel_size != 1:
+        refused.append(
+            f"parallel.context_parallel_size = {cfg.context_parallel_size}: context-parallel prefill is not "
+            "implemented; only 1 is supported"
+        )
+    if cfg.moe_force_imbalance_ratio != 0.0:
+        refused.append(
+            f"parallel.moe_force_imbalance_ratio = {cfg.moe_force_imbalance_ratio}: synthetic MoE routing is not "
+            "implemented; only 0 (the model's own routing) is supported"
+        )
+    if cfg.moe_force_uniform_routing:
+        refused.append(
+            "parallel.moe_force_uniform_routing = True: synthetic MoE routing is not implemented; only False "
+            "is supported"
+        )
+    if cfg.engram_on_device is False:
+        refused.append(
+            "parallel.engram_on_device = False: Engram tables in host memory are not implemented; the engine "
+            "keeps them in device memory (None or True)"
+        )
+    if refused:
+        raise ValueError("; ".join(refused))
+
+
 def host_device() -> jax.Device | None:
     """This process's CPU device (host memory), or ``None`` when the CPU backend is not enabled."""
     try:
@@ -297,6 +329,7 @@ class LLM:
         if family not in _SUPPORTED_FAMILIES:
             raise NotImplementedError(f"model: the engine has no paged caches for model family {family!r}")
         check_kv_cache_dtype(family, dtype, kv_cache_dtype)  # before any weight is read
+        check_parallel_support(config.parallel)
         # A multi-process run joins its peers before anything touches a JAX backend; then the mesh, before any
         # weight is read (more devices than exist is a ValueError naming both sizes).
         distributed.initialize(config.parallel)

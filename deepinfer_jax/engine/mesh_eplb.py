@@ -39,14 +39,24 @@ from deepinfer_jax.parallel.eplb import ExpertLoadBalancer, device_loads
 from deepinfer_jax.parallel.expert_parallel import ExpertPlacement
 from deepinfer_jax.parallel.mesh import mesh_sizes
 
-__all__ = ["MeshExpertBalancer"]
+__all__ = ["MeshExpertBalancer", "describe_placement"]
+
+
+def describe_placement(placement: ExpertPlacement, ep: int) -> str:
+    """One line: the logical experts of each EP rank's slots and the experts with more than one replica."""
+    slots = np.asarray(placement.slot_to_expert).reshape(ep, -1)
+    count = np.asarray(placement.replica_count)
+    ranks = "; ".join(f"rank {r}: {row.tolist()}" for r, row in enumerate(slots))
+    extra = {int(e): int(c) for e, c in enumerate(count) if c > 1}
+    return f"{ranks}; replicas {extra or 'none'}"
 
 
 class MeshExpertBalancer:
     """EPLB and MoE load statistics for the MoE layers of a parameter tree laid out on a ``(dp, ep)`` mesh.
 
     Args:
-      cfg: the ``parallel`` config (interval, window, ``eplb_after_prefill``, statistics interval);
+      cfg: the ``parallel`` config (interval, window, ``eplb_after_prefill``, statistics interval,
+        ``eplb_log_detail``: log every layer's new placement, :func:`describe_placement`);
         ``eplb_interval_steps = 0`` keeps the placements and only measures and logs the imbalance.
       params: the laid-out parameter tree (:func:`~deepinfer_jax.parallel.shard_model_params`); the initial
         placements are read from it.
@@ -87,6 +97,7 @@ class MeshExpertBalancer:
             for (experts, _), paths in zip(groups, self.groups, strict=True)
         )
         self.enabled = cfg.eplb_interval_steps > 0
+        self.log_detail = cfg.eplb_log_detail
         self.imbalances: list[float] = []
         self.rearrangements = 0
         self.total_peak = 0.0
@@ -166,6 +177,8 @@ class MeshExpertBalancer:
             for path, before, placement in zip(paths, old, balancer.plan_rearrangement(), strict=True):
                 if not np.array_equal(before.slot_to_expert, placement.slot_to_expert):
                     updates[path] = layers[path].with_placement(placement)
+                if self.log_detail:
+                    logging.info("EPLB %s: %s", path, describe_placement(placement, self.ep))
         self.rearrangements += 1
         logging.info(
             "EPLB: re-placement %d moved the experts of %d of %d MoE layers",

@@ -12,7 +12,9 @@ one-device engine on the same weights.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +23,7 @@ import pytest
 
 from deepinfer_jax.config.tree import ParallelConfig
 from deepinfer_jax.engine.llm import LLM
-from deepinfer_jax.engine.mesh_eplb import MeshExpertBalancer
+from deepinfer_jax.engine.mesh_eplb import MeshExpertBalancer, describe_placement
 from deepinfer_jax.engine.multi_device import MeshRunner
 from deepinfer_jax.engine.params import SamplingParams
 from deepinfer_jax.parallel import eplb
@@ -198,3 +200,38 @@ def test_balancer_refuses_what_it_cannot_use():
             **{"parallel.eplb_interval_steps": 4, "parallel.eplb_window_steps": 8},
             **COMMON,
         )
+
+
+def test_placement_detail_is_logged_on_request(caplog):
+    llm = _skewed_mesh_llm(**EPLB)  # the initial placements (construction compiles nothing)
+    cfg = dataclasses.replace(llm.config.parallel, eplb_log_detail=True)
+    detail = MeshExpertBalancer(cfg, llm.executor.params, llm.mesh)
+    heavy = np.zeros((8, 3), np.int64)
+    heavy[[0, 4], 0] = 12  # both dp groups' rank 0 fill slot 0 (expert 0)
+    for _ in range(4):
+        detail.observe({"layers.1.mlp.experts": heavy})
+    with caplog.at_level(logging.INFO, logger="absl"):
+        detail.rearrange(llm.executor.params)
+    # Expert 0 takes all 4 extra slots; layer 2 routed nothing and keeps the initial placement.
+    assert "EPLB layers.1.mlp.experts: rank 0: [" in caplog.text and "replicas {0: 5}" in caplog.text
+    assert describe_placement(detail.placements()["layers.2.mlp.experts"], 4) == (
+        "rank 0: [0, 1, 2]; rank 1: [3, 4, 5]; rank 2: [6, 7, 0]; rank 3: [1, 2, 3]; "
+        "replicas {0: 2, 1: 2, 2: 2, 3: 2}"
+    )
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        (
+            {"parallel.moe_force_imbalance_ratio": 1.8},
+            r"moe_force_imbalance_ratio = 1\.8: synthetic MoE routing",
+        ),
+        ({"parallel.moe_force_uniform_routing": True}, "moe_force_uniform_routing = True"),
+        ({"parallel.engram_on_device": False}, "engram_on_device = False: Engram tables in host memory"),
+        ({"parallel.context_parallel_size": 2}, "context_parallel_size = 2: context-parallel prefill"),
+    ],
+)
+def test_parallel_settings_the_engine_would_ignore_are_refused(override, match):
+    with pytest.raises(ValueError, match=match):
+        LLM("tiny-v3", **override, **COMMON)
