@@ -25,6 +25,7 @@ weights without recompiling.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,9 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
 
 from deepinfer_jax.config.tree import ParallelConfig
 from deepinfer_jax.parallel.expert_parallel import ExpertPlacement, initial_placement, placement_from_slots
+from deepinfer_jax.parallel.mesh import EP, mesh_sizes
 
 __all__ = [
     "ExpertLoadBalancer",
@@ -45,6 +49,7 @@ __all__ = [
     "imbalance",
     "logical_counts",
     "move_experts",
+    "move_experts_on_mesh",
     "place",
     "rebalance",
     "replicate",
@@ -199,6 +204,60 @@ def move_experts(slot_experts: Any, old: ExpertPlacement, new: ExpertPlacement) 
         )
     source = old.expert_slots[new.slot_to_expert, 0]
     return _gather_slots(slot_experts, source)
+
+
+def _moves_body(local: Any, source: jax.Array, *, ep: int) -> Any:
+    """One device's new slots from the old ones, inside a ``shard_map`` over the mesh (:func:`move_experts_on_mesh`).
+
+    ``local`` holds this device's ``L = P / ep`` old slots; ``source [P]`` is the old slot each new slot copies.
+    Round ``k`` sends, from every rank ``r`` to rank ``(r + k) mod ep``, the ``L`` rows that rank wants from ``r``
+    (rows it wants from elsewhere are sent too but not kept: shapes are static); round 0 is a local copy.
+    """
+    rank = lax.axis_index(EP)
+
+    def one(leaf: jax.Array) -> jax.Array:
+        slots = leaf.shape[0]
+        mine = source[rank * slots + jnp.arange(slots)]  # the old slots my new slots copy
+        out = jnp.zeros_like(leaf)
+        for k in range(ep):
+            dest = (rank + k) % ep
+            wanted = source[dest * slots + jnp.arange(slots)]  # what rank `dest` copies, by old slot
+            send = jnp.take(leaf, wanted % slots, axis=0)
+            if k:
+                send = lax.ppermute(send, EP, perm=[(r, (r + k) % ep) for r in range(ep)])
+            keep = (mine // slots) == (rank - k) % ep  # rows of this round's sender
+            out = jnp.where(keep.reshape(-1, *(1,) * (leaf.ndim - 1)), send, out)
+        return out
+
+    return jax.tree_util.tree_map(one, local)
+
+
+@functools.cache
+def _mover(mesh: Mesh, treedef: Any) -> Any:
+    _, ep = mesh_sizes(mesh)
+    specs = jax.tree_util.tree_unflatten(treedef, [PartitionSpec(EP)] * treedef.num_leaves)
+    body = functools.partial(_moves_body, ep=ep)
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(specs, PartitionSpec()), out_specs=specs, check_vma=False)
+    )
+
+
+def move_experts_on_mesh(slot_experts: Any, old: ExpertPlacement, new: ExpertPlacement, mesh: Mesh) -> Any:
+    """:func:`move_experts` for slot stacks sharded over ``ep`` on ``mesh``, moved by point-to-point sends.
+
+    Every device keeps its own ``P / ep`` slots: in ``ep - 1`` rounds of ``ppermute`` each rank sends every other
+    rank the rows it wants (plus a local copy), so no device ever holds more than its share and a few buffers of
+    the same size, where a gather would assemble the whole ``[P, ...]`` stack on every device. The result has the
+    input's shardings; the move compiles once per mesh and stack shapes.
+    """
+    if old.num_slots != new.num_slots or old.num_experts != new.num_experts:
+        raise ValueError(
+            f"move_experts: placements differ in shape: {old.num_slots} slots / {old.num_experts} experts "
+            f"vs {new.num_slots} / {new.num_experts}"
+        )
+    source = np.asarray(_host_placement(old).expert_slots)[np.asarray(_host_placement(new).slot_to_expert), 0]
+    treedef = jax.tree_util.tree_structure(slot_experts)
+    return _mover(mesh, treedef)(slot_experts, np.asarray(source, np.int32))
 
 
 class ExpertLoadWindow:

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from deepinfer_jax.models.common.linear import LinearNumerics
 from deepinfer_jax.models.common.moe import Routing, register_expert_layout
-from deepinfer_jax.parallel.eplb import move_experts
+from deepinfer_jax.parallel.eplb import move_experts_on_mesh
 from deepinfer_jax.parallel.expert_parallel import (
     ExpertPlacement,
     ep_moe_experts,
@@ -92,10 +92,13 @@ class SlotExperts:
     def with_placement(self, placement: ExpertPlacement) -> SlotExperts:
         """The same layer re-placed (EPLB): slot weights moved from the current slots, shapes unchanged.
 
+        The move runs on the mesh by point-to-point sends (:func:`~.eplb.move_experts_on_mesh`): no device holds
+        more than its own slots and a few buffers of that size.
+
         The moved weights keep the shardings of the current ones and the new placement is replicated like the
         current one, so a jitted forward fed the result runs without compiling again.
         """
-        moved = move_experts(self.experts, self.placement, placement)
+        moved = move_experts_on_mesh(self.experts, self.placement, placement, self.mesh)
         moved = jax.tree_util.tree_map(lambda new, old: place_on_mesh(new, old.sharding), moved, self.experts)
         placed = jax.tree_util.tree_map(
             lambda new, old: place_on_mesh(new, old.sharding), placement, self.placement
@@ -139,10 +142,11 @@ register_expert_layout(SlotExperts, _slot_moe_experts)
 def place_on_mesh(value: Any, sharding: NamedSharding) -> jax.Array:
     """``value`` as a global array with ``sharding``, also when the mesh spans processes.
 
-    ``jax.device_put`` places on devices this process can address; on a multi-process mesh every process holds
-    the full value (each loaded the same checkpoint) and builds its own shards from it.
+    ``jax.device_put`` places on devices this process can address, and re-lays a global array out (every process
+    calls it alike); on a multi-process mesh a host value (every process holds all of it: each loaded the same
+    checkpoint) is cut into this process's shards.
     """
-    if sharding.is_fully_addressable:
+    if sharding.is_fully_addressable or (isinstance(value, jax.Array) and not value.is_fully_addressable):
         return jax.device_put(value, sharding)
     host = np.asarray(value)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

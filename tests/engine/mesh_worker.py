@@ -2,7 +2,8 @@
 
 Usage: ``python mesh_worker.py PROCESS_ID PORT PROMPTS_JSON OUT_JSON``. Builds ``LLM("tiny-v3")`` on a
 ``dp=2, ep=4`` mesh over the 8 devices of both processes (the ``parallel.*`` settings make the ``LLM`` join the
-distributed system), generates greedily for the prompts and writes this process's outputs as JSON.
+distributed system), with EPLB re-placing the experts every other step, generates greedily for the prompts and
+writes this process's outputs, re-placement count and final placements as JSON.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 
 
 def main(process_id: int, port: int, prompts_path: str, out_path: str) -> None:
+    import numpy as np
+
     from deepinfer_jax.engine.llm import LLM
     from deepinfer_jax.engine.params import SamplingParams
 
@@ -36,12 +39,26 @@ def main(process_id: int, port: int, prompts_path: str, out_path: str) -> None:
             "parallel.num_processes": 2,
             "parallel.process_id": process_id,
             "parallel.initialization_timeout_s": 120.0,
+            "parallel.eplb_interval_steps": 2,
+            "parallel.eplb_window_steps": 2,
+            "parallel.eplb_num_redundant_experts": 4,
         },
     )
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     with open(out_path, "w") as f:
-        json.dump({"tokens": [o.outputs[0].token_ids for o in outputs], "steps": llm.last_stats.steps}, f)
+        placements = {p: pl.slot_to_expert.tolist() for p, pl in llm.expert_balancer.placements().items()}
+        laid = llm.executor.params["layers"][1]["mlp"]["experts"].placement.slot_to_expert
+        json.dump(
+            {
+                "tokens": [o.outputs[0].token_ids for o in outputs],
+                "steps": llm.last_stats.steps,
+                "rearrangements": llm.last_stats.eplb_rearrangements,
+                "placements": placements,
+                "laid_out": np.asarray(laid.addressable_data(0)).tolist(),
+            },
+            f,
+        )
 
 
 if __name__ == "__main__":

@@ -406,7 +406,8 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_two_processes_run_the_mesh_engine(tmp_path):
     """dp=2, ep=4 over 2 processes x 4 devices: each process runs every device's scheduler (the same decisions
-    from the same gathered tokens), and both return the one-device engine's greedy tokens."""
+    from the same gathered tokens) and the same EPLB re-placements (the same gathered expert counts), and both
+    return the one-device engine's greedy tokens."""
     prompts, _ = _batch(*BATCHES["11-requests"])
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     want = [
@@ -440,5 +441,9 @@ def test_two_processes_run_the_mesh_engine(tmp_path):
     for pid, (proc, log) in enumerate(zip(procs, logs, strict=True)):
         assert proc.returncode == 0, f"process {pid} exited with {proc.returncode}:\n{log[-4000:]}"
     got = [json.loads(path.read_text()) for path in outs]
-    assert got[0] == got[1]
+    assert got[0] == got[1]  # tokens, steps, and every EPLB decision
     assert got[0]["tokens"] == want
+    assert got[0]["rearrangements"] >= 1
+    # The re-placement moved experts (slot weights gathered across the processes' devices) and the step ran it.
+    assert got[0]["placements"]["layers.1.mlp.experts"] != [i % 8 for i in range(12)]
+    assert got[0]["laid_out"] == got[0]["placements"]["layers.1.mlp.experts"]

@@ -175,3 +175,30 @@ def test_balancer_starts_from_given_placements_and_reads_counts_with_the_steps_o
         eplb.ExpertLoadBalancer(cfg, num_layers=2, num_experts=4, placements=[start] * 3)
     with pytest.raises(ValueError, match="expected one shape with 6 experts"):
         eplb.ExpertLoadBalancer(cfg, num_layers=1, num_experts=6, placements=[start])
+
+
+def test_moves_on_the_mesh_are_point_to_point():
+    """A re-placement on a 2 x 4 mesh: every new slot holds its new expert's weights, each device only its own
+    slots, and the move is ppermute rounds within each EP group, never a gather of the whole slot stack."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = make_mesh(2, 4)
+    rng = np.random.default_rng(3)
+    logical = {
+        "gate": {"weight": rng.normal(size=(6, 3, 5)).astype(np.float32)},
+        "down": {"weight": rng.integers(0, 255, size=(6, 5, 2)).astype(np.uint8)},
+    }
+    old = epm.initial_placement(6, 4, 2)  # 8 slots
+    new = epm.placement_from_slots(np.array([3, 3, 0, 5, 1, 3, 2, 4]), 6)  # expert 3 thrice, across ranks
+    sharded = jax.tree.map(
+        lambda a: jax.device_put(a, NamedSharding(mesh, PartitionSpec("ep"))),
+        epm.place_experts(jax.tree.map(jnp.asarray, logical), old),
+    )
+    moved = eplb.move_experts_on_mesh(sharded, old, new, mesh)
+    for leaf, ref, src in zip(jax.tree.leaves(moved), jax.tree.leaves(logical), jax.tree.leaves(sharded)):
+        np.testing.assert_array_equal(np.asarray(leaf), ref[np.asarray(new.slot_to_expert)])
+        assert leaf.sharding.is_equivalent_to(src.sharding, leaf.ndim)
+        assert {s.data.shape[0] for s in leaf.addressable_shards} == {2}
+    source = np.asarray(old.expert_slots)[np.asarray(new.slot_to_expert), 0].astype(np.int32)
+    hlo = eplb._mover(mesh, jax.tree_util.tree_structure(sharded)).lower(sharded, source).as_text()
+    assert "collective_permute" in hlo and "all_gather" not in hlo and "all_to_all" not in hlo
