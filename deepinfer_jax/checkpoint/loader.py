@@ -299,7 +299,8 @@ def load_tensors(
     validate_finite: bool = False,
     unexpected: Literal["error", "log", "ignore"] = "error",
     transform: Callable[[str, np.ndarray], np.ndarray] | None = None,
-) -> dict[str, jax.Array]:
+    defer: Callable[[str], bool] | None = None,
+) -> dict[str, Any]:
     """Load the tensors ``expected`` names from ``reader``, checked, one at a time, onto the device(s).
 
     Args:
@@ -315,6 +316,10 @@ def load_tensors(
         warning in the log (``"log"``), or nothing (``"ignore"``).
       transform: ``(name, host array) -> host array``, applied after the checks and ``view_as``, before the
         transfer (a load-time conversion that must not hold more than one tensor).
+      defer: ``name -> bool``: the tensors it accepts are checked against the header like the others but not
+        read; each is returned as a :class:`~deepinfer_jax.checkpoint.deferred.DeferredTensor` that reads
+        (with ``view_as`` and ``transform``) when converted to an array. ``reader`` must then stay open while
+        they are used. Not with ``validate_finite`` (it would read them all).
 
     Raises:
       CheckpointError: listing every problem found, each with its tensor name; nothing is returned then.
@@ -323,13 +328,38 @@ def load_tensors(
     _check_sharding_arg(sharding)
     if transform is not None and not callable(transform):
         raise TypeError(f"transform: expected a callable or None, got {type(transform).__name__}")
+    if defer is not None and not callable(defer):
+        raise TypeError(f"defer: expected a callable or None, got {type(defer).__name__}")
+    if defer is not None and validate_finite:
+        raise ValueError(
+            "defer: deferred tensors cannot be checked for NaN/inf at load (validate_finite=True)"
+        )
     found, problems = check_tensors(reader, expected, ignore=ignore, unexpected=unexpected)
     if problems and not validate_finite:
         _raise(reader, problems)
-    loaded: dict[str, jax.Array] = {}
+    loaded: dict[str, Any] = {}
+    deferred = {name for name in found if defer is not None and defer(name)}
+    if deferred:
+        from deepinfer_jax.checkpoint.deferred import DeferredSource, DeferredTensor
+
+        source = DeferredSource(reader)
+
+        def finish(name: str, array: np.ndarray) -> np.ndarray:
+            spec = found[name][0]
+            if spec.view_as is not None:
+                array = array.view(dtype_from_name(spec.view_as))
+            if transform is not None:
+                array = transform(name, array)
+            return narrow_for_device(name, array)
+
+        for name in deferred:
+            spec, info = found[name]
+            dtype = dtype_from_name(spec.view_as) if spec.view_as is not None else info.dtype
+            loaded[name] = DeferredTensor(source, info.name, name, info.shape, dtype, finish)
     # read_many: one tensor at a time from safetensors; orbax restores bounded batches (one call per batch).
-    stream = reader.read_many([info.name for _, info in found.values()])
-    for (name, (spec, info)), (_, array) in zip(found.items(), stream, strict=True):
+    reading = {name: entry for name, entry in found.items() if name not in deferred}
+    stream = reader.read_many([info.name for _, info in reading.values()])
+    for (name, (spec, info)), (_, array) in zip(reading.items(), stream, strict=True):
         if validate_finite:
             bad = _non_finite(array)
             if bad:

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from deepinfer_jax.checkpoint.deferred import DeferredTensor, deferring, is_expert_tensor
 from deepinfer_jax.checkpoint.loader import ShardingSpec, load_tensors, read_config
 from deepinfer_jax.checkpoint.reader import open_checkpoint
 from deepinfer_jax.config.model import ModelConfig
@@ -125,6 +126,7 @@ def load_model(
     *,
     sharding: ShardingSpec = None,
     validate: bool = False,
+    defer_experts: bool = False,
 ) -> Model:
     """Load a model from an HF folder, an orbax checkpoint folder or a built-in name (module docstring).
 
@@ -134,6 +136,10 @@ def load_model(
         linear) or ``"bfloat16"`` (production mode).
       sharding: where tensors go (see :func:`~deepinfer_jax.checkpoint.load_tensors`).
       validate: also refuse NaN/inf values in any floating tensor (reads every tensor fully first).
+      defer_experts: leave the routed experts unread: their stacks in the result are
+        :class:`~deepinfer_jax.checkpoint.deferred.ExpertStack` leaves that read an expert when a caller asks
+        for its rows (:func:`~deepinfer_jax.parallel.shard_model_params` reads only the experts of this process's
+        slots). Built on the device of ``sharding`` when it is a single-device sharding. Not with ``validate``.
 
     Raises:
       FileNotFoundError: no such folder or built-in model, or no ``config.json``.
@@ -144,17 +150,41 @@ def load_model(
     dtype = _check_dtype(dtype)
     if not isinstance(validate, bool):
         raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
+    if not isinstance(defer_experts, bool):
+        raise TypeError(f"defer_experts: expected a bool, got {type(defer_experts).__name__}")
+    if defer_experts and validate:
+        raise ValueError("defer_experts: deferred experts cannot be validated at load; drop validate=True")
     path = _resolve_source(path_or_name)
-    with open_checkpoint(path) as reader:
+    reader = open_checkpoint(path)
+    tensors: dict[str, Any] = {}
+    try:
         hf = read_config(reader)
         source = str(reader.config_path) if reader.config_path is not None else str(path)
         cfg = ModelConfig.from_hf(hf, source=source)
         family = get_family(cfg.family)
         expected = family.expected_tensors(cfg)
         tensors = load_tensors(
-            reader, expected, sharding=sharding, ignore=family.ignore, validate_finite=validate
+            reader,
+            expected,
+            sharding=sharding,
+            ignore=family.ignore,
+            validate_finite=validate,
+            defer=is_expert_tensor if defer_experts else None,
         )
-    params = family.assemble_params(cfg, tensors, dtype)
+    finally:
+        # Deferred tensors keep the reader open (it closes when the last of them goes).
+        if not any(isinstance(t, DeferredTensor) for t in tensors.values()):
+            reader.close()
+    if defer_experts:
+        device = (
+            next(iter(sharding.device_set))
+            if isinstance(sharding, jax.sharding.SingleDeviceSharding)
+            else None
+        )
+        with deferring(device):
+            params = family.assemble_params(cfg, tensors, dtype)
+    else:
+        params = family.assemble_params(cfg, tensors, dtype)
     del tensors
     return Model(cfg, params, family, dtype, path)
 

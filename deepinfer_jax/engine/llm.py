@@ -221,9 +221,10 @@ def _load_for(model_dir: Path, dtype: str, mesh: Any) -> Any:
     """The model's parameters, read where the engine lays them out from.
 
     On one device they go straight to the default device. On a mesh they are read and assembled in host memory
-    (the CPU device), and :func:`~deepinfer_jax.engine.multi_device.shard_model` then copies to each device
-    only what it holds: its ``P / ep`` expert slots and the replicated rest. No accelerator ever holds the whole
-    model. Without a CPU backend (``JAX_PLATFORMS`` naming only an accelerator) the default device is used,
+    (the CPU device) with the routed experts deferred (:mod:`deepinfer_jax.checkpoint.deferred`), and
+    :func:`~deepinfer_jax.engine.multi_device.shard_model` then reads the experts of this process's slots and
+    copies to each device only what it holds: its ``P / ep`` expert slots and the replicated rest. No
+    accelerator holds the whole model, and no process reads the experts of other processes' devices. Without a CPU backend (``JAX_PLATFORMS`` naming only an accelerator) the default device is used,
     with a warning.
     """
     if mesh is None:
@@ -237,7 +238,9 @@ def _load_for(model_dir: Path, dtype: str, mesh: Any) -> Any:
         )
         return load_model(model_dir, dtype)
     with jax.default_device(host):
-        return load_model(model_dir, dtype, sharding=jax.sharding.SingleDeviceSharding(host))
+        return load_model(
+            model_dir, dtype, sharding=jax.sharding.SingleDeviceSharding(host), defer_experts=True
+        )
 
 
 class LLM:

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from deepinfer_jax.checkpoint.deferred import ExpertStack
 from deepinfer_jax.models.common.linear import LinearNumerics
 from deepinfer_jax.models.common.moe import Routing, register_expert_layout
 from deepinfer_jax.parallel.eplb import move_experts_on_mesh
@@ -158,13 +159,19 @@ def _slots_on_mesh(stack: Any, slot_to_expert: np.ndarray, sharding: NamedShardi
     Each device's shard is gathered on the host from the logical stack (``slot_to_expert`` of its slot range)
     and copied to that device alone: the ``[P, ...]`` stack never exists whole, on the host or on any device,
     and a device receives only its own slots. A stack loaded into host memory (or onto the CPU device) is read
-    in place; one on an accelerator is read back to the host once.
+    in place; one on an accelerator is read back to the host once; a deferred
+    :class:`~deepinfer_jax.checkpoint.deferred.ExpertStack` reads from the checkpoint just the experts of the
+    shards asked for (on a multi-process mesh, those of this process's devices).
     """
-    host = np.asarray(stack)
+    if isinstance(stack, ExpertStack):  # deferred: read only the experts of the shards asked for
+        host, take = stack, stack.rows
+    else:
+        host = np.asarray(stack)
+        take = host.__getitem__
     shape = (int(slot_to_expert.shape[0]), *host.shape[1:])
 
     def shard(index: tuple[slice, ...]) -> np.ndarray:
-        rows = host[slot_to_expert[index[0]]]
+        rows = take(slot_to_expert[index[0]])
         return np.ascontiguousarray(rows[(slice(None), *index[1:])])
 
     return jax.make_array_from_callback(shape, sharding, shard)

@@ -1,9 +1,10 @@
 """One process of the 2-process x 4-CPU-device engine run of ``test_engine_mesh.py`` (started by that test).
 
-Usage: ``python mesh_worker.py PROCESS_ID PORT PROMPTS_JSON OUT_JSON``. Builds ``LLM("tiny-v3")`` on a
-``dp=2, ep=4`` mesh over the 8 devices of both processes (the ``parallel.*`` settings make the ``LLM`` join the
-distributed system), with EPLB re-placing the experts every other step, generates greedily for the prompts and
-writes this process's outputs, re-placement count and final placements as JSON.
+Usage: ``python mesh_worker.py PROCESS_ID PORT DP EP EXTRA PROMPTS_JSON OUT_JSON``. Builds ``LLM("tiny-v3")`` on a
+``(dp, ep)`` mesh over the 8 devices of both processes (the ``parallel.*`` settings make the ``LLM`` join the
+distributed system), with ``EXTRA`` redundant expert slots and EPLB re-placing the experts every other step,
+generates greedily for the prompts and writes as JSON this process's outputs, re-placement count, final
+placements and which routed experts of layer 1 it read from the checkpoint.
 """
 
 from __future__ import annotations
@@ -17,10 +18,24 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 
 
-def main(process_id: int, port: int, prompts_path: str, out_path: str) -> None:
+def main(process_id: int, port: int, dp: int, ep: int, extra: int, prompts_path: str, out_path: str) -> None:
     import numpy as np
 
+    from deepinfer_jax.checkpoint import reader as reader_mod
+    from deepinfer_jax.checkpoint.deferred import is_expert_tensor
     from deepinfer_jax.engine.llm import LLM
+
+    read = reader_mod.SafetensorsReader.read
+    experts_read: dict[str, set[int]] = {}
+
+    def recording(self, name):  # which expert of which layer-1 tensor this process reads
+        if is_expert_tensor(name) and ".layers.1." in f".{name}":
+            rest = name.split(".experts.", 1)[1]
+            index, kind = rest.split(".", 1)
+            experts_read.setdefault(kind, set()).add(int(index))
+        return read(self, name)
+
+    reader_mod.SafetensorsReader.read = recording
     from deepinfer_jax.engine.params import SamplingParams
 
     with open(prompts_path) as f:
@@ -28,8 +43,8 @@ def main(process_id: int, port: int, prompts_path: str, out_path: str) -> None:
     llm = LLM(
         "tiny-v3",
         dtype="float32",
-        data_parallel_size=2,
-        expert_parallel_size=4,
+        data_parallel_size=dp,
+        expert_parallel_size=ep,
         max_num_seqs=16,
         max_num_batched_tokens=256,
         kv_cache_memory="8MiB",
@@ -41,7 +56,7 @@ def main(process_id: int, port: int, prompts_path: str, out_path: str) -> None:
             "parallel.initialization_timeout_s": 120.0,
             "parallel.eplb_interval_steps": 2,
             "parallel.eplb_window_steps": 2,
-            "parallel.eplb_num_redundant_experts": 4,
+            "parallel.eplb_num_redundant_experts": extra,
         },
     )
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -56,10 +71,11 @@ def main(process_id: int, port: int, prompts_path: str, out_path: str) -> None:
                 "rearrangements": llm.last_stats.eplb_rearrangements,
                 "placements": placements,
                 "laid_out": np.asarray(laid.addressable_data(0)).tolist(),
+                "experts_read": {k: sorted(v) for k, v in experts_read.items()},
             },
             f,
         )
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    main(*(int(a) for a in sys.argv[1:6]), sys.argv[6], sys.argv[7])

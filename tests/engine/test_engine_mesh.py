@@ -404,10 +404,22 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_processes_run_the_mesh_engine(tmp_path):
-    """dp=2, ep=4 over 2 processes x 4 devices: each process runs every device's scheduler (the same decisions
-    from the same gathered tokens) and the same EPLB re-placements (the same gathered expert counts), and both
-    return the one-device engine's greedy tokens."""
+@pytest.mark.parametrize(
+    "dp,ep,extra,reads",
+    [
+        # Each process holds a whole EP group (4 ranks, 12 slots): it needs every expert.
+        (2, 4, 4, [set(range(8)), set(range(8))]),
+        # One EP group over both processes, one slot per device: process 0 holds experts 0-3 and process 1
+        # experts 4-7 (and reads expert 0 once for the stacks' shapes).
+        (1, 8, 0, [{0, 1, 2, 3}, {0, 4, 5, 6, 7}]),
+    ],
+    ids=["dp2-ep4", "dp1-ep8"],
+)
+def test_two_processes_run_the_mesh_engine(tmp_path, dp, ep, extra, reads):
+    """A mesh over 2 processes x 4 devices: each process runs every device's scheduler (the same decisions from
+    the same gathered tokens) and the same EPLB re-placements (the same gathered expert counts), reads from the
+    checkpoint only the routed experts of its own devices' slots, and both return the one-device engine's
+    greedy tokens. On dp=1, ep=8 the MoE's all_to_all crosses the processes."""
     prompts, _ = _batch(*BATCHES["11-requests"])
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     want = [
@@ -421,7 +433,7 @@ def test_two_processes_run_the_mesh_engine(tmp_path):
     outs = [tmp_path / f"out_{pid}.json" for pid in range(2)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(pid), str(port), str(prompts_path), str(outs[pid])],
+            [sys.executable, str(WORKER), *map(str, (pid, port, dp, ep, extra, prompts_path, outs[pid]))],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -441,9 +453,14 @@ def test_two_processes_run_the_mesh_engine(tmp_path):
     for pid, (proc, log) in enumerate(zip(procs, logs, strict=True)):
         assert proc.returncode == 0, f"process {pid} exited with {proc.returncode}:\n{log[-4000:]}"
     got = [json.loads(path.read_text()) for path in outs]
+    for pid, out in enumerate(got):
+        # Each of layer 1's expert tensors (gate, up, down) is read for exactly those experts.
+        read = out.pop("experts_read")
+        assert len(read) == 3 and all(set(v) == reads[pid] for v in read.values()), (pid, read)
     assert got[0] == got[1]  # tokens, steps, and every EPLB decision
     assert got[0]["tokens"] == want
     assert got[0]["rearrangements"] >= 1
-    # The re-placement moved experts (slot weights gathered across the processes' devices) and the step ran it.
-    assert got[0]["placements"]["layers.1.mlp.experts"] != [i % 8 for i in range(12)]
+    # The re-placement moved experts (slot weights sent between the processes' devices) and the step ran it.
+    initial = [i % 8 for i in range(-(-(8 + extra) // ep) * ep)]
+    assert got[0]["placements"]["layers.1.mlp.experts"] != initial
     assert got[0]["laid_out"] == got[0]["placements"]["layers.1.mlp.experts"]

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from deepinfer_jax.checkpoint.deferred import stack_experts
 from deepinfer_jax.config.v3 import DeepseekV3Config
 from deepinfer_jax.numerics.codecs import dequantize_fp8_blockwise
 from deepinfer_jax.numerics.elements import as_uint8
@@ -224,9 +225,8 @@ class _Assembler:
             self.dtype
         )
 
-    def stacked(self, names: list[str]) -> dict[str, jax.Array]:
-        parts = [self.linear(n) for n in names]
-        return {k: jnp.stack([p[k] for p in parts]) for k in parts[0]}
+    def stacked(self, names: list[str]) -> dict[str, Any]:
+        return stack_experts(len(names), lambda e: self.linear(names[e]))
 
     def attention(self, layer: int) -> dict[str, Any]:
         cfg = self.cfg

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from deepinfer_jax.checkpoint.deferred import stack_experts
 from deepinfer_jax.config.v4 import DeepseekV4Config
 from deepinfer_jax.numerics.elements import as_uint8
 
@@ -279,8 +280,7 @@ def assemble_params(
         return {"weight": _to_device(named[f"{prefix}.weight"], dtype)}
 
     def stacked(prefix: str, count: int, which: str) -> dict[str, Any]:
-        parts = [lin(f"{prefix}.{e}.{which}", packed=fp4_experts) for e in range(count)]
-        return {k: jnp.stack([p[k] for p in parts]) for k in parts[0]}
+        return stack_experts(count, lambda e: lin(f"{prefix}.{e}.{which}", packed=fp4_experts))
 
     def compressor(prefix: str) -> dict[str, Any]:
         return {

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from deepinfer_jax.checkpoint.deferred import stack_experts
 from deepinfer_jax.config.v41 import DeepseekV41Config
 from deepinfer_jax.models.deepseek_v4 import params as v4_params
 from deepinfer_jax.models.deepseek_v4.engram import CompressionMap, engram_table_sizes
@@ -365,11 +366,12 @@ class _Assembler:
 
     def stacked(self, prefix: str, experts: int, which: str) -> dict[str, jax.Array]:
         """Experts ``0 .. experts-1`` of one matrix stacked in index order: ``{"packed", "scale"}`` ``[E, ...]``."""
-        parts = [self.fp8(f"{prefix}.{e}.{which}") for e in range(experts)]
-        return {
-            "packed": jnp.stack([part["weight"] for part in parts]),
-            "scale": jnp.stack([part["scale"] for part in parts]),
-        }
+
+        def one(e: int) -> dict[str, jax.Array]:
+            part = self.fp8(f"{prefix}.{e}.{which}")
+            return {"packed": part["weight"], "scale": part["scale"]}
+
+        return stack_experts(experts, one)
 
     def shared(self, f: str) -> dict[str, Any]:
         cfg = self.cfg
