@@ -26,6 +26,7 @@ import contextlib
 import contextvars
 import dataclasses
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -71,6 +72,7 @@ class DeferredSource:
         self.reads = 0
         """Deferred tensors read so far (a tensor read twice counts twice)."""
         self._lock = threading.Lock()
+        self._closer = weakref.finalize(self, reader.close)
 
     def read(self, stored: str) -> np.ndarray:
         with self._lock:
@@ -78,11 +80,7 @@ class DeferredSource:
             return self.reader.read(stored)
 
     def close(self) -> None:
-        self.reader.close()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.reader.close()
+        self._closer()
 
 
 class DeferredTensor:

@@ -103,3 +103,20 @@ def test_deferral_is_refused_with_validation():
         assert isinstance(tensor, DeferredTensor) and tensor.shape == reader.info(name).shape
         np.testing.assert_array_equal(np.asarray(tensor), reader.read(name))
         assert not any(isinstance(v, DeferredTensor) for n, v in loaded.items() if not is_expert_tensor(n))
+
+
+def test_deferred_experts_from_an_orbax_checkpoint(tmp_path):
+    from deepinfer_jax.checkpoint.loader import read_config
+    from deepinfer_jax.checkpoint.orbax_io import save_checkpoint
+
+    with open_checkpoint(builtin.materialize("tiny-v3")) as reader:
+        saved = save_checkpoint(
+            tmp_path / "orbax", {n: reader.read(n) for n in reader.names()}, read_config(reader)
+        )
+    eager, deferred = load_model(saved), load_model(saved, defer_experts=True)
+    stacks = _expert_paths(deferred.params)
+    assert stacks and all(isinstance(s, ExpertStack) for s in stacks.values())
+    for (path, want), got in zip(
+        jax.tree_util.tree_leaves_with_path(eager.params), jax.tree.leaves(deferred.params), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(path))
