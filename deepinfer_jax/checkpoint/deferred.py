@@ -83,7 +83,26 @@ class DeferredSource:
         self._closer()
 
 
-class DeferredTensor:
+class _Shaped:
+    """What an array-like that is not read yet reports: ``ndim``, ``size``, ``nbytes`` from ``shape``, ``dtype``."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+
+class DeferredTensor(_Shaped):
     """A checkpoint tensor whose bytes are read when it is converted to an array (``np.asarray``, ``jnp.asarray``).
 
     ``shape`` and ``dtype`` come from the checkpoint's header (after ``view_as``); ``finish`` applies what
@@ -106,18 +125,6 @@ class DeferredTensor:
         self.shape = tuple(int(d) for d in shape)
         self.dtype = np.dtype(dtype)
         self._finish = finish
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
 
     def read(self) -> np.ndarray:
         """The tensor's data, read now."""
@@ -150,7 +157,7 @@ def deferring(device: jax.Device | None = None) -> Iterator[None]:
         _DEFERRAL.reset(token)
 
 
-class ExpertStack:
+class ExpertStack(_Shaped):
     """One leaf of a routed-expert stack ``[E, ...]`` whose rows are built on demand (module docstring).
 
     Attributes:
@@ -171,18 +178,6 @@ class ExpertStack:
         self.shape = (self.count, *first.shape)
         self.dtype = np.dtype(first.dtype)
         self._device = device
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
 
     def row(self, expert: int) -> np.ndarray:
         """Expert ``expert``'s leaf, built now by the family's per-expert conversion (reads its tensors)."""

@@ -26,6 +26,7 @@ experts serve.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,7 +40,10 @@ from deepinfer_jax.parallel.eplb import ExpertLoadBalancer, device_loads
 from deepinfer_jax.parallel.expert_parallel import ExpertPlacement
 from deepinfer_jax.parallel.mesh import mesh_sizes
 
-__all__ = ["MeshExpertBalancer", "describe_placement"]
+__all__ = ["IMBALANCE_HISTORY", "MeshExpertBalancer", "describe_placement"]
+
+IMBALANCE_HISTORY = 100_000
+"""Steps of measured imbalance a balancer keeps (a serving engine runs without end)."""
 
 
 def describe_placement(placement: ExpertPlacement, ep: int) -> str:
@@ -63,7 +67,8 @@ class MeshExpertBalancer:
       mesh: the mesh the parameters are laid out on.
 
     Attributes:
-      imbalances: the measured imbalance of every observed step that routed any token (1.0 = even).
+      imbalances: the measured imbalance of each of the last :data:`IMBALANCE_HISTORY` observed steps that
+        routed any token (1.0 = even).
       rearrangements: re-placements done so far.
       total_peak, total_mean: ``Σ`` over observed steps and layers of the busiest rank's rows and of the mean
         rank's rows (their ratio is ``moe_lb``).
@@ -98,7 +103,7 @@ class MeshExpertBalancer:
         )
         self.enabled = cfg.eplb_interval_steps > 0
         self.log_detail = cfg.eplb_log_detail
-        self.imbalances: list[float] = []
+        self.imbalances: collections.deque[float] = collections.deque(maxlen=IMBALANCE_HISTORY)
         self.rearrangements = 0
         self.total_peak = 0.0
         self.total_mean = 0.0
