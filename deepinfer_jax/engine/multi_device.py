@@ -653,6 +653,11 @@ class MeshStepExecutor(CompiledStep):
         self.state = self._stacked(lambda: init_state(num_slots, self.vocab_size))
         self._num_slots = num_slots
 
+    @property
+    def returns_expert_counts(self) -> bool:
+        """Whether every step also returns its per-layer expert counts (built with ``expert_counts=True``)."""
+        return bool(self._static["expert_counts"])
+
     def _stacked(self, make: Callable[[], Any]) -> Any:
         """``make()``'s pytree once per device, stacked on a leading device axis and created in place, sharded."""
         d = self.num_devices
@@ -688,7 +693,7 @@ class MeshStepExecutor(CompiledStep):
             variant = int(num_prompt_logprobs)
         args = jax.tree.map(lambda a: place_on_mesh(a, self._sharding), args)
         out = self._dispatch(args, int(num_logprobs), variant)
-        if self._static["expert_counts"]:
+        if self.returns_expert_counts:
             out, self.expert_counts = out
         return out
 
@@ -771,7 +776,7 @@ class MeshRunner(EngineRunner):
             raise ValueError(
                 f"MeshRunner: {scheduler.num_devices} schedulers for a mesh of {executor.num_devices} devices"
             )
-        if balancer is not None and not executor._static["expert_counts"]:
+        if balancer is not None and not executor.returns_expert_counts:
             raise ValueError("MeshRunner: a balancer needs an executor built with expert_counts=True")
         super().__init__(scheduler, executor, vocab_size=vocab_size, eos_token_ids=eos_token_ids)
         self.balancer = balancer

@@ -24,7 +24,7 @@ import pytest
 from deepinfer_jax.config.tree import ParallelConfig
 from deepinfer_jax.engine.llm import LLM
 from deepinfer_jax.engine.mesh_eplb import MeshExpertBalancer, describe_placement
-from deepinfer_jax.engine.multi_device import MeshRunner
+from deepinfer_jax.engine.multi_device import MeshRunner, MeshStepExecutor
 from deepinfer_jax.engine.params import SamplingParams
 from deepinfer_jax.parallel import eplb
 
@@ -190,6 +190,12 @@ def test_balancer_refuses_what_it_cannot_use():
         MeshExpertBalancer(ParallelConfig(expert_parallel_size=2), llm.executor.params, llm.mesh)
     with pytest.raises(ValueError, match="no slot-layout MoE layer"):
         MeshExpertBalancer(cfg, {"w": np.zeros(2)}, llm.mesh)
+    bare = MeshStepExecutor(
+        llm.executor.params, llm.paged_model, llm.mesh, num_blocks=2, num_slots=1, max_blocks_per_seq=1
+    )
+    assert not bare.returns_expert_counts and llm.executor.returns_expert_counts
+    with pytest.raises(ValueError, match="a balancer needs an executor built with expert_counts=True"):
+        MeshRunner(llm.scheduler, bare, vocab_size=512, balancer=balancer)
     with pytest.raises(
         ValueError, match=r"eplb_window_steps = 8 must be <= parallel\.eplb_interval_steps = 4"
     ):
