@@ -88,8 +88,21 @@ def define_engine_flags(fv: flags.FlagValues, *, max_tokens: int, max_tokens_hel
     flags.DEFINE_float("top_p", 1.0, "nucleus sampling threshold", flag_values=fv)
     flags.DEFINE_integer("top_k", -1, "top-k sampling (-1 = off)", flag_values=fv)
     flags.DEFINE_integer("seed", 0, "engine seed (derives each request's sampling seed)", flag_values=fv)
+    flags.DEFINE_integer(
+        "data_parallel_size",
+        1,
+        "engine mesh: replicas of the expert-parallel group (the mesh has dp * ep devices, each an attention rank)",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "expert_parallel_size", 1, "engine mesh: devices the routed experts are sharded over", flag_values=fv
+    )
     flags.DEFINE_multi_string(
-        "set", [], "an engine config override, e.g. --set cache.block_size=16 (repeatable)", flag_values=fv
+        "set",
+        [],
+        "an engine config override, e.g. --set cache.block_size=16 or --set parallel.eplb_interval_steps=64 "
+        "(repeatable)",
+        flag_values=fv,
     )
     flags.DEFINE_boolean("progress", True, "show a progress bar", flag_values=fv)
 
@@ -107,5 +120,7 @@ def llm_from_flags(fv: flags.FlagValues) -> Any:
         max_num_batched_tokens=fv.max_num_batched_tokens,
         kv_cache_memory=fv.kv_cache_memory,
         seed=fv.seed,
+        data_parallel_size=fv.data_parallel_size,
+        expert_parallel_size=fv.expert_parallel_size,
         **config_lib.parse_overrides(fv.set),
     )

@@ -58,9 +58,15 @@ def make_mesh(dp: int, ep: int, devices: Sequence[jax.Device] | None = None) -> 
     need = dp * ep
     if need > len(pool):
         platform = pool[0].platform if pool else "none"
+        hint = ""
+        if platform == "cpu":
+            hint = (
+                f"; on the CPU, start the process with XLA_FLAGS=--xla_force_host_platform_device_count={need} "
+                "for that many virtual devices"
+            )
         raise ValueError(
             f"data_parallel_size * expert_parallel_size = {dp} * {ep} = {need} devices, but only "
-            f"{len(pool)} {platform} device(s) are available"
+            f"{len(pool)} {platform} device(s) are available{hint}"
         )
     grid = np.asarray(pool[:need], dtype=object).reshape(dp, ep)
     return Mesh(grid, ALL_AXES, axis_types=(AxisType.Auto, AxisType.Auto))

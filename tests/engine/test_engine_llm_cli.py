@@ -70,3 +70,60 @@ def test_generate_cli_token_ids_and_errors(capsys):
     assert rc == 2 and "--prompt" in capsys.readouterr().err
     rc = cli.main(["deepinfer-jax", "generate", "--model=no-such-model", "--prompt=x"])
     assert rc == 2 and "no-such-model" in capsys.readouterr().err
+
+
+def _generate_ids(capsys, *extra: str) -> tuple[list[str], str]:
+    rc = cli.main(
+        [
+            "deepinfer-jax",
+            "generate",
+            "--model=tiny-v3",
+            "--prompt_ids=5,6,7",
+            "--prompt_ids=9,10,11,12,13",
+            "--prompt_ids=40",
+            "--max_tokens=4",
+            "--ignore_eos",
+            "--temperature=0",
+            "--noprogress",
+            "--dtype=float32",
+            "--set=cache.block_size=16",
+            *extra,
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return [line.split(" ids=")[1] for line in out.splitlines() if " ids=" in line], out
+
+
+def test_generate_cli_on_a_mesh_with_eplb(capsys):
+    """--data_parallel_size / --expert_parallel_size run the mesh engine (EPLB through --set): the greedy ids of
+    the one-device engine, the mesh on the summary line."""
+    want, _ = _generate_ids(
+        capsys, "--max_num_seqs=4", "--max_num_batched_tokens=16", "--kv_cache_memory=8MiB"
+    )
+    got, out = _generate_ids(
+        capsys,
+        "--data_parallel_size=2",
+        "--expert_parallel_size=4",
+        "--max_num_seqs=16",
+        "--max_num_batched_tokens=256",
+        "--kv_cache_memory=8MiB",
+        "--set=parallel.eplb_interval_steps=2",
+        "--set=parallel.eplb_window_steps=2",
+    )
+    assert got == want and len(got) == 3
+    assert "mesh: dp=2 x ep=4 = 8 devices" in out
+    assert "on 8 devices (dp=2 x ep=4, " in out and "expert re-placements" in out
+    rc = cli.main(
+        [
+            "deepinfer-jax",
+            "generate",
+            "--model=tiny-v3",
+            "--prompt_ids=5",
+            "--data_parallel_size=4",
+            "--expert_parallel_size=4",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and "= 16 devices, but only 8 cpu device(s)" in err
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=16" in err
