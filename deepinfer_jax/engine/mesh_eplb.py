@@ -3,9 +3,10 @@
 The balancing itself is :mod:`deepinfer_jax.parallel.eplb` (spec/engine.md §11.3). This module connects it to a
 running mesh engine (:mod:`deepinfer_jax.engine.multi_device`):
 
-* **Counts.** The mesh step, built with ``expert_counts=True``, returns for every MoE layer the rows each
-  device's local slots received (padding tokens are routed nowhere, so they never count). Summed over the
-  ``dp`` groups (they share one placement) that is the layer's per-slot load ``[P]``.
+* **Counts.** The mesh step, built with ``expert_counts=True``, returns the rows each device's local slots
+  received in every MoE layer, all layers in one array (one transfer per step; padding tokens are routed
+  nowhere, so they never count). :meth:`MeshExpertBalancer.split` cuts it per layer; summed over the ``dp``
+  groups (they share one placement) that is each layer's per-slot load ``[P]``.
 * **Observation.** :meth:`MeshExpertBalancer.observe` feeds one step's counts to an
   :class:`~deepinfer_jax.parallel.eplb.ExpertLoadBalancer` per group of MoE layers with the same
   ``(experts, slots)`` shape (every layer of a model, as a rule), and records the step's measured imbalance
@@ -88,6 +89,7 @@ class MeshExpertBalancer:
                 "params: no slot-layout MoE layer to balance (lay them out with shard_model_params)"
             )
         self._num_slots = {path: layer.num_slots for path, layer in layers.items()}
+        self._tree_order = tuple(layers)
         groups: dict[tuple[int, int], list[str]] = {}
         for path, layer in layers.items():
             groups.setdefault((layer.num_experts, layer.num_slots), []).append(path)
@@ -107,6 +109,19 @@ class MeshExpertBalancer:
         self.rearrangements = 0
         self.total_peak = 0.0
         self.total_mean = 0.0
+
+    def split(self, counts: Any) -> dict[str, np.ndarray]:
+        """One step's counts of :func:`~deepinfer_jax.engine.multi_device.mesh_step`, ``[dp * ep, Σ P / ep]``
+        (layers side by side in tree order), as ``{layer path: [dp * ep, P / ep]}`` (:meth:`observe`'s input)."""
+        c = np.asarray(counts)
+        widths = [self._num_slots[p] // self.ep for p in self._tree_order]
+        if c.ndim != 2 or c.shape != (self.dp * self.ep, sum(widths)):
+            raise ValueError(
+                f"counts: shape {c.shape}, expected ({self.dp * self.ep}, {sum(widths)}): every device's slot "
+                "counts of every MoE layer"
+            )
+        bounds = np.cumsum([0, *widths])
+        return {p: c[:, bounds[i] : bounds[i + 1]] for i, p in enumerate(self._tree_order)}
 
     @property
     def paths(self) -> tuple[str, ...]:

@@ -74,6 +74,7 @@ __all__ = [
     "MeshStepExecutor",
     "device_inputs",
     "device_share",
+    "expert_count_layout",
     "mesh_memory_plan",
     "mesh_step",
     "param_specs",
@@ -491,6 +492,12 @@ def _is_slot_experts(x: Any) -> bool:
     return isinstance(x, SlotExperts)
 
 
+def expert_count_layout(params: Any, ep: int) -> tuple[tuple[str, int], ...]:
+    """``(dotted path, slots per device)`` of every slot-layout MoE layer of ``params``, in tree order: the
+    columns of :func:`mesh_step`'s expert counts."""
+    return tuple((path, layer.num_slots // ep) for path, layer in slot_expert_layers(params).items())
+
+
 def param_specs(params: Any) -> Any:
     """The ``shard_map`` in-specs of a laid-out parameter tree: expert slots over ``ep``, the rest replicated."""
 
@@ -557,11 +564,14 @@ def mesh_step(
     the tree of :func:`~deepinfer_jax.parallel.shard_model_params` (routed experts in ``ep``-sharded slots,
     everything else replicated). The keyword arguments are static, as for ``step``.
 
-    Returns ``(cache, state, out)``; with ``expert_counts`` the third item is ``(out, counts)``: for every MoE
-    layer (by dotted parameter path) the rows each device's local slots received, ``int32 [dp * ep, P / ep]``
-    (device ``d`` holds slots ``(d % ep) * P / ep`` onwards; padding tokens are not routed, so not counted).
+    Returns ``(cache, state, out)``; with ``expert_counts`` the third item is ``(out, counts)``: the rows each
+    device's local slots received in every MoE layer, ``int32 [dp * ep, Σ P / ep]``, the layers side by side in
+    the order of :func:`expert_count_layout` (a layer the step does not run counts zeros; device ``d`` holds
+    slots ``(d % ep) * P / ep`` onwards; padding tokens are not routed, so not counted). One array, so reading
+    a step's counts is one transfer however many layers the model has.
     """
-    mesh_sizes(mesh)  # a (dp, ep) mesh, or a ValueError naming its axes
+    _, ep = mesh_sizes(mesh)  # a (dp, ep) mesh, or a ValueError naming its axes
+    layout = expert_count_layout(params, ep) if expert_counts else ()
 
     def body(params: Any, cache: Any, state: Any, *args: Any) -> tuple[Any, Any, Any]:
         one = functools.partial(jax.tree.map, lambda a: a[0])
@@ -583,7 +593,13 @@ def mesh_step(
             )
         finally:
             _STEP_TRACE.reset(token)
-        result = (out, trace.counts) if expert_counts else out
+        result: Any = out
+        if expert_counts:
+            unknown = sorted(set(trace.counts) - {path for path, _ in layout})
+            if unknown:
+                raise ValueError(f"mesh_step: MoE layers {unknown} are not slot-layout layers of params")
+            parts = [trace.counts.get(path, jnp.zeros(width, jnp.int32)) for path, width in layout]
+            result = (out, jnp.concatenate(parts) if parts else jnp.zeros(0, jnp.int32))
         return jax.tree.map(lambda a: a[None], (cache, state, result))
 
     args: tuple[Any, ...] = (inputs, sampling, prompt_lens)
@@ -643,8 +659,9 @@ class MeshStepExecutor(CompiledStep):
             static={"mesh": mesh, "expert_counts": bool(expert_counts)},
             lead=1,
         )
-        self.expert_counts: dict[str, jax.Array] | None = None
-        """The last dispatched step's expert counts (``None`` unless built with ``expert_counts=True``)."""
+        self.expert_counts: jax.Array | None = None
+        """The last dispatched step's expert counts, ``[dp * ep, Σ P / ep]`` (:func:`mesh_step`); ``None`` unless
+        built with ``expert_counts=True``."""
         dp, ep = mesh_sizes(mesh)
         self.mesh = mesh
         self.num_devices = dp * ep
@@ -733,7 +750,7 @@ class _InFlight(NamedTuple):
     """A dispatched global step: its outputs, its expert counts and the placements it ran with."""
 
     out: StepOutput
-    expert_counts: dict[str, jax.Array] | None
+    expert_counts: jax.Array | None
     snapshot: Any
     prefill: bool
 
@@ -828,7 +845,7 @@ class MeshRunner(EngineRunner):
     def _process(self, plan: MeshPlan, step: _InFlight) -> list[RequestOutput]:  # type: ignore[override]
         finished = self._process_tokens(plan, step.out)
         if self.balancer is not None and step.expert_counts is not None:
-            counts = {path: _to_host(c) for path, c in step.expert_counts.items()}
+            counts = self.balancer.split(_to_host(step.expert_counts))
             if self.balancer.observe(counts, prefill=step.prefill, snapshot=step.snapshot):
                 # The next dispatch takes the re-placed slots; the step in flight keeps the arrays it was given.
                 self.executor.params = self.balancer.rearrange(self.executor.params)

@@ -93,7 +93,7 @@ def test_eplb_rebalances_the_serving_engine_and_keeps_its_tokens():
     process = llm.runner._process
 
     def recording(plan, step):
-        counts = {path: np.asarray(c).sum() for path, c in step.expert_counts.items()}
+        counts = {path: c.sum() for path, c in balancer.split(step.expert_counts).items()}
         initial = np.asarray(step.snapshot[0][0].slot_to_expert).tolist() == start["layers.1.mlp.experts"]
         tokens = sum(p.num_tokens for p in plan.plans if p is not None)
         seen.append((tokens, counts, step.prefill, initial))
@@ -108,10 +108,14 @@ def test_eplb_rebalances_the_serving_engine_and_keeps_its_tokens():
     stats = llm.last_stats
 
     # Counts: each real token sends exactly top-k rows through each backbone MoE layer; padding tokens none.
-    # The MTP layer does not run without speculative decoding.
+    # The MTP layer does not run without speculative decoding: zeros.
     assert len(seen) == stats.steps == len(balancer.imbalances)
     for tokens, counts, *_ in seen:
-        assert counts == {"layers.1.mlp.experts": tokens * TOP_K, "layers.2.mlp.experts": tokens * TOP_K}
+        assert counts == {
+            "layers.1.mlp.experts": tokens * TOP_K,
+            "layers.2.mlp.experts": tokens * TOP_K,
+            "mtp.0.layer.mlp.experts": 0,
+        }
     # Prefill-only steps stay out of the window (eplb_after_prefill is off).
     counted = sum(not prefill for _, _, prefill, _ in seen)
     assert 0 < counted < len(seen) and balancer.balancers[0].window.steps_recorded == counted
@@ -186,6 +190,10 @@ def test_balancer_refuses_what_it_cannot_use():
         balancer.observe({"layers.9.mlp.experts": np.zeros((8, 3))})
     with pytest.raises(ValueError, match=r"shape \(4, 3\), expected \(8, slots per device\)"):
         balancer.observe({"layers.1.mlp.experts": np.zeros((4, 3))})
+    with pytest.raises(ValueError, match=r"counts: shape \(8, 6\), expected \(8, 9\)"):
+        balancer.split(np.zeros((8, 6)))
+    split = balancer.split(np.arange(72).reshape(8, 9))
+    assert list(split) == list(balancer.paths) and split["layers.2.mlp.experts"][1].tolist() == [12, 13, 14]
     with pytest.raises(ValueError, match="differs from the mesh's ep = 4"):
         MeshExpertBalancer(ParallelConfig(expert_parallel_size=2), llm.executor.params, llm.mesh)
     with pytest.raises(ValueError, match="no slot-layout MoE layer"):
