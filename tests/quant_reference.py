@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-__all__ = ["check_quantisers_by_hand", "f32", "np_fp4_e4m3", "np_mxfp4", "np_mxfp8"]
+__all__ = ["assert_tracks_float32", "check_quantisers_by_hand", "f32", "np_fp4_e4m3", "np_mxfp4", "np_mxfp8"]
 
 
 def _pow2_scale(amax: np.ndarray, qmax: float) -> np.ndarray:
@@ -68,3 +68,16 @@ def check_quantisers_by_hand() -> None:
     k = np.zeros(16, np.float32)
     k[:2] = [3.0, 1.0]  # amax/6 = 0.5 -> E4M3 0.5; codes 6, 2
     np.testing.assert_array_equal(np_fp4_e4m3(k)[:2], [3.0, 1.0])
+
+
+def assert_tracks_float32(
+    got: np.ndarray, want: np.ndarray, *, top1: float, mean: float, peak: float, corr: float
+) -> None:
+    """bf16-mode logits ``got [B, S, V]`` against the float32 mode's ``want``: top-1 agreement >= ``top1``,
+    mean / max absolute difference <= ``mean`` / ``peak``, mean per-position correlation >= ``corr``."""
+    assert got.dtype == np.float32
+    diff = np.abs(got - want)
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= top1
+    assert diff.mean() <= mean and diff.max() <= peak
+    rows = [(b, s) for b in range(got.shape[0]) for s in range(got.shape[1])]
+    assert np.mean([np.corrcoef(got[b, s], want[b, s])[0, 1] for b, s in rows]) >= corr

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ragged_meta import plan_meta  # tests/ragged_meta.py
 
 from deepinfer_jax.cache import paged_walk as pw
 from deepinfer_jax.cache import ragged
@@ -15,32 +16,6 @@ from deepinfer_jax.cache import ragged
 # Float32 sums of a few dozen terms computed in a different order (online softmax with rescaling against one
 # exp/sum pass in float64): a few ulps, so 1e-5 relative leaves ample margin while catching any wrong key.
 RTOL, ATOL = 1e-5, 1e-6
-
-
-def _meta(starts, counts, pad_tokens, pad_rows, slots, tables):
-    """Plan-style arrays for rows feeding ``counts[s]`` tokens from ``starts[s]``."""
-    token_seq, positions, query_start = [], [], [0]
-    for s, (a, n) in enumerate(zip(starts, counts, strict=True)):
-        token_seq += [s] * n
-        positions += list(range(a, a + n))
-        query_start.append(query_start[-1] + n)
-    rows = len(starts) + pad_rows
-    token_seq += [rows] * pad_tokens
-    positions += [0] * pad_tokens
-    query_start += [query_start[-1]] * pad_rows
-    context = [a + n for a, n in zip(starts, counts, strict=True)] + [0] * pad_rows
-    width = max(len(t) for t in tables)
-    bt = np.full((rows, width), -1, np.int32)
-    for s, t in enumerate(tables):
-        bt[s, : len(t)] = t
-    return ragged.make_meta(
-        jnp.asarray(token_seq, jnp.int32),
-        jnp.asarray(positions, jnp.int32),
-        jnp.asarray(query_start, jnp.int32),
-        jnp.asarray(context, jnp.int32),
-        jnp.asarray(list(slots) + [-1] * pad_rows, jnp.int32),
-        jnp.asarray(bt),
-    )
 
 
 class Scene:
@@ -60,7 +35,7 @@ class Scene:
         # Pages hold random data everywhere (stale entries of earlier sequences included): every read must be
         # masked by position, so garbage in unused entries must never change a result.
         self.pages = rng.standard_normal((num_blocks, per_page, dim)).astype(np.float32)
-        self.meta = _meta(starts, counts, pad_tokens, pad_rows, range(len(starts)), tables)
+        self.meta = plan_meta(starts, counts, pad_tokens, pad_rows, range(len(starts)), tables)
         self.tables, self.num_rows, self.dim = tables, len(starts), dim
         self.rng = rng
 
@@ -203,7 +178,7 @@ def test_emitters_and_their_history_match_history_of_every_token(data, ratio, nu
     rng = np.random.default_rng(len(starts) + sum(counts))
     # Stale garbage everywhere in the ring: reads are masked by position, never by zeros.
     ring = rng.standard_normal((num_slots, ring_len, 3)).astype(np.float32)
-    meta = _meta(starts, counts, 32 - sum(counts), 5 - num_rows, slots, [[0]] * 5)
+    meta = plan_meta(starts, counts, 32 - sum(counts), 5 - num_rows, slots, [[0]] * 5)
     new = rng.standard_normal((meta.num_tokens, 3)).astype(np.float32)
     index = np.asarray(_emitting(meta, ratio))
     seq, pos = np.asarray(meta.token_seq), np.asarray(meta.positions)

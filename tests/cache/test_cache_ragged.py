@@ -7,35 +7,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ragged_meta import plan_meta  # tests/ragged_meta.py
 
 from deepinfer_jax.cache import ragged
-
-
-def _batch(starts, counts, pad_tokens, pad_rows, slots, tables):
-    """Plan-style arrays for rows feeding ``counts[s]`` tokens from ``starts[s]``."""
-    token_seq, positions, query_start = [], [], [0]
-    for s, (a, n) in enumerate(zip(starts, counts)):
-        token_seq += [s] * n
-        positions += list(range(a, a + n))
-        query_start.append(query_start[-1] + n)
-    rows = len(starts) + pad_rows
-    token_seq += [rows] * pad_tokens
-    positions += [0] * pad_tokens
-    query_start += [query_start[-1]] * pad_rows
-    context = [a + n for a, n in zip(starts, counts)] + [0] * pad_rows
-    seq_slots = list(slots) + [-1] * pad_rows
-    width = max(len(t) for t in tables)
-    bt = np.full((rows, width), -1, np.int32)
-    for s, t in enumerate(tables):
-        bt[s, : len(t)] = t
-    return ragged.make_meta(
-        jnp.asarray(token_seq, jnp.int32),
-        jnp.asarray(positions, jnp.int32),
-        jnp.asarray(query_start, jnp.int32),
-        jnp.asarray(context, jnp.int32),
-        jnp.asarray(seq_slots, jnp.int32),
-        jnp.asarray(bt),
-    )
 
 
 @settings(max_examples=12, deadline=None)
@@ -58,7 +32,7 @@ def test_history_and_ring_write_match_the_full_sequence(data, num_rows, ring_len
     for s, a in zip(slots, starts):
         for q in range(max(0, a - ring_len), a):
             ring[s, q % ring_len] = [1000 * s + q + 1, -(1000 * s + q + 1)]
-    meta = _batch(starts, counts, pad_tokens, pad_rows, slots, [[0]] * (num_rows + pad_rows))
+    meta = plan_meta(starts, counts, pad_tokens, pad_rows, slots, [[0]] * (num_rows + pad_rows))
     new = np.zeros((meta.num_tokens, 2), np.float32)
     for t in range(meta.num_tokens):
         if int(meta.token_seq[t]) < num_rows:
@@ -84,7 +58,7 @@ def test_history_and_ring_write_match_the_full_sequence(data, num_rows, ring_len
 
 
 def test_history_refuses_a_ring_too_short():
-    meta = _batch([0], [2], 0, 0, [0], [[0]])
+    meta = plan_meta([0], [2], 0, 0, [0], [[0]])
     with pytest.raises(ValueError, match="ring holds 2 positions"):
         ragged.history(jnp.zeros((1, 2, 1)), jnp.zeros((2, 1)), meta, 4)
 
@@ -93,7 +67,7 @@ def test_history_refuses_a_ring_too_short():
 def test_compressed_entries_land_in_their_pages_and_read_back(ratio):
     block = 8
     # Row 0 prefills 0..12 (two pages), row 1 decodes position 15 (its second page), a padding row and token.
-    meta = _batch([0, 15], [13, 1], 1, 1, [2, 0], [[5, 3], [1, 4]])
+    meta = plan_meta([0, 15], [13, 1], 1, 1, [2, 0], [[5, 3], [1, 4]])
     num_blocks = 6
     emits, index, blocks, offsets = (
         np.asarray(a) for a in ragged.compressed_slots(meta, ratio, block, num_blocks)

@@ -17,10 +17,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -29,6 +25,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec
+from two_processes import run_two_processes  # tests/two_processes.py
 
 from deepinfer_jax.engine.llm import LLM
 from deepinfer_jax.engine.multi_device import (
@@ -397,12 +394,6 @@ def test_device_inputs_pad_a_plan_and_build_the_placeholder():
 WORKER = Path(__file__).with_name("mesh_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("localhost", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "dp,ep,extra,reads",
@@ -428,30 +419,10 @@ def test_two_processes_run_the_mesh_engine(tmp_path, dp, ep, extra, reads):
     ]
     prompts_path = tmp_path / "prompts.json"
     prompts_path.write_text(json.dumps(prompts))
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     outs = [tmp_path / f"out_{pid}.json" for pid in range(2)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), *map(str, (pid, port, dp, ep, extra, prompts_path, outs[pid]))],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for pid in range(2)
-    ]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=400)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for pid, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-        assert proc.returncode == 0, f"process {pid} exited with {proc.returncode}:\n{log[-4000:]}"
+    run_two_processes(
+        WORKER, lambda pid, port: (pid, port, dp, ep, extra, prompts_path, outs[pid]), timeout=400
+    )
     got = [json.loads(path.read_text()) for path in outs]
     for pid, out in enumerate(got):
         # Each of layer 1's expert tensors (gate, up, down) is read for exactly those experts.

@@ -8,14 +8,11 @@ two processes hold the same replicated logits, bit for bit (one computation, bro
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from two_processes import run_two_processes  # tests/two_processes.py
 
 from deepinfer_jax.checkpoint.model_loading import load_model
 from deepinfer_jax.config.tree import ParallelConfig
@@ -64,12 +61,6 @@ def test_refuses_other_types():
         distributed.initialize({"num_processes": 2})
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("localhost", 0))
-        return int(s.getsockname()[1])
-
-
 def test_two_processes_match_one_device(tmp_path):
     model = load_model("tiny-v3")  # also materialises the checkpoint before the workers read it
     ids = np.random.default_rng(3).integers(0, model.config.vocab_size, (2, 3)).astype(np.int32)
@@ -77,30 +68,7 @@ def test_two_processes_match_one_device(tmp_path):
     ids_path = tmp_path / "ids.npy"
     np.save(ids_path, ids)
 
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(pid), str(port), str(tmp_path), str(ids_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for pid in range(2)
-    ]
-    logs = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=240)
-            logs.append(out)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for pid, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-        assert proc.returncode == 0, f"process {pid} exited with {proc.returncode}:\n{log[-4000:]}"
+    run_two_processes(WORKER, lambda pid, port: (pid, port, tmp_path, ids_path), timeout=240)
 
     got = [np.load(tmp_path / f"logits_{pid}.npy") for pid in range(2)]
     np.testing.assert_array_equal(got[0], got[1])
