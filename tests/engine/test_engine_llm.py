@@ -6,6 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
+from greedy_reference import greedy_reference  # tests/greedy_reference.py
 
 import deepinfer_jax
 from deepinfer_jax.engine.llm import LLM, derive_seed
@@ -59,15 +60,6 @@ def _params() -> list[SamplingParams]:
     return out
 
 
-def _greedy_reference(model, prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    for _ in range(n):
-        ids = np.zeros((1, REF_LEN), np.int32)
-        ids[0, : len(seq)] = seq
-        seq.append(int(np.argmax(model.logits(ids)[0, len(seq) - 1])))
-    return seq[len(prompt) :]
-
-
 @pytest.fixture(scope="module")
 def batch_outputs(llm):
     return llm.generate(prompt_token_ids=_prompts(), sampling_params=_params(), use_tqdm=False)
@@ -93,7 +85,9 @@ def test_batch_of_16_equals_alone_and_greedy_equals_full_forward(llm, batch_outp
         alone = llm.generate(prompt_token_ids=[prompt], sampling_params=p, use_tqdm=False)[0].outputs[0]
         assert alone.token_ids == got.token_ids, f"request {i}"
         if p.temperature == 0:
-            assert got.token_ids == _greedy_reference(reference_model, prompt, p.max_tokens), f"request {i}"
+            assert got.token_ids == greedy_reference(reference_model, prompt, p.max_tokens, REF_LEN), (
+                f"request {i}"
+            )
 
 
 def test_seq_seed_reproducible_and_derived_seeds(llm):
