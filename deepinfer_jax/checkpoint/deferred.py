@@ -61,26 +61,20 @@ def is_expert_tensor(name: str) -> bool:
 
 
 class DeferredSource:
-    """An open checkpoint reader shared by deferred tensors, with a count of the reads done through it.
+    """An open checkpoint reader shared by deferred tensors; reads go through it one at a time.
 
     The reader stays open while any :class:`DeferredTensor` of it is alive (it is closed when this object is
-    collected, or by :meth:`close`).
+    collected).
     """
 
     def __init__(self, reader: Any) -> None:
         self.reader = reader
-        self.reads = 0
-        """Deferred tensors read so far (a tensor read twice counts twice)."""
         self._lock = threading.Lock()
-        self._closer = weakref.finalize(self, reader.close)
+        weakref.finalize(self, reader.close)
 
     def read(self, stored: str) -> np.ndarray:
         with self._lock:
-            self.reads += 1
             return self.reader.read(stored)
-
-    def close(self) -> None:
-        self._closer()
 
 
 class _Shaped:
@@ -157,6 +151,37 @@ def deferring(device: jax.Device | None = None) -> Iterator[None]:
         _DEFERRAL.reset(token)
 
 
+class _ExpertRows:
+    """The per-expert builds shared by the leaves of one :func:`stack_experts` call.
+
+    The family's conversion builds every leaf of an expert at once (an FP8 weight with its scale). A build asked
+    for one leaf keeps the others until they are asked for, so reading every leaf of a stack in turn (as the
+    layout does, slot by slot) reads each expert's tensors once per slot holding it, not once per leaf.
+    """
+
+    def __init__(self, one: Callable[[int], Mapping[str, Any]], device: jax.Device | None) -> None:
+        self._one = one
+        self._device = device
+        self._kept: dict[tuple[int, str], list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, expert: int, key: str) -> np.ndarray:
+        with self._lock:
+            kept = self._kept.get((expert, key))
+            if kept:
+                out = kept.pop()
+                if not kept:
+                    del self._kept[(expert, key)]
+                return out
+            ctx = jax.default_device(self._device) if self._device is not None else contextlib.nullcontext()
+            with ctx:
+                built = {k: np.asarray(v) for k, v in self._one(expert).items()}
+            for k, v in built.items():
+                if k != key:  # one kept copy per build: an expert in two slots is asked for twice per leaf
+                    self._kept.setdefault((expert, k), []).append(v)
+            return built[key]
+
+
 class ExpertStack(_Shaped):
     """One leaf of a routed-expert stack ``[E, ...]`` whose rows are built on demand (module docstring).
 
@@ -164,28 +189,19 @@ class ExpertStack(_Shaped):
       shape, dtype: the stack's, as the eager stack would have them (from expert 0, built at creation).
     """
 
-    def __init__(
-        self,
-        count: int,
-        key: str,
-        one: Callable[[int], Mapping[str, Any]],
-        first: Any,
-        device: jax.Device | None,
-    ) -> None:
+    def __init__(self, count: int, key: str, rows: _ExpertRows, first: Any) -> None:
         self.count = int(count)
         self.key = key
-        self._one = one
+        self._rows = rows
         self.shape = (self.count, *first.shape)
         self.dtype = np.dtype(first.dtype)
-        self._device = device
 
     def row(self, expert: int) -> np.ndarray:
-        """Expert ``expert``'s leaf, built now by the family's per-expert conversion (reads its tensors)."""
+        """Expert ``expert``'s leaf, built by the family's per-expert conversion (reads its tensors, unless
+        building another leaf of the same expert already did)."""
         if not 0 <= expert < self.count:
             raise IndexError(f"expert {expert} is outside [0, {self.count})")
-        ctx = jax.default_device(self._device) if self._device is not None else contextlib.nullcontext()
-        with ctx:
-            return np.asarray(self._one(expert)[self.key])
+        return self._rows.get(expert, self.key)
 
     def rows(self, experts: Sequence[int] | np.ndarray) -> np.ndarray:
         """The leaves of ``experts`` stacked ``[len(experts), ...]`` (an expert listed twice is built twice)."""
@@ -213,4 +229,5 @@ def stack_experts(count: int, one: Callable[[int], Mapping[str, Any]]) -> dict[s
         parts = [one(e) for e in range(count)]
         return {k: jnp.stack([p[k] for p in parts]) for k in parts[0]}
     first = one(0)
-    return {k: ExpertStack(count, k, one, first[k], deferral.device) for k in first}
+    rows = _ExpertRows(one, deferral.device)
+    return {k: ExpertStack(count, k, rows, first[k]) for k in first}

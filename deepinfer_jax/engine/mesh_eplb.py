@@ -28,7 +28,6 @@ experts serve.
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -89,7 +88,6 @@ class MeshExpertBalancer:
                 "params: no slot-layout MoE layer to balance (lay them out with shard_model_params)"
             )
         self._num_slots = {path: layer.num_slots for path, layer in layers.items()}
-        self._tree_order = tuple(layers)
         groups: dict[tuple[int, int], list[str]] = {}
         for path, layer in layers.items():
             groups.setdefault((layer.num_experts, layer.num_slots), []).append(path)
@@ -110,23 +108,23 @@ class MeshExpertBalancer:
         self.total_peak = 0.0
         self.total_mean = 0.0
 
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The balanced MoE layers' dotted parameter paths, in tree order (the columns of the step's counts)."""
+        return tuple(self._num_slots)
+
     def split(self, counts: Any) -> dict[str, np.ndarray]:
         """One step's counts of :func:`~deepinfer_jax.engine.multi_device.mesh_step`, ``[dp * ep, Σ P / ep]``
-        (layers side by side in tree order), as ``{layer path: [dp * ep, P / ep]}`` (:meth:`observe`'s input)."""
-        c = np.asarray(counts)
-        widths = [self._num_slots[p] // self.ep for p in self._tree_order]
-        if c.ndim != 2 or c.shape != (self.dp * self.ep, sum(widths)):
+        (layers side by side in tree order), as ``{layer path: [dp * ep, P / ep]}``."""
+        c = np.asarray(counts, np.int64)
+        widths = [slots // self.ep for slots in self._num_slots.values()]
+        if c.shape != (self.dp * self.ep, sum(widths)):
             raise ValueError(
                 f"counts: shape {c.shape}, expected ({self.dp * self.ep}, {sum(widths)}): every device's slot "
                 "counts of every MoE layer"
             )
         bounds = np.cumsum([0, *widths])
-        return {p: c[:, bounds[i] : bounds[i + 1]] for i, p in enumerate(self._tree_order)}
-
-    @property
-    def paths(self) -> tuple[str, ...]:
-        """The balanced MoE layers' dotted parameter paths, group by group."""
-        return tuple(p for paths in self.groups for p in paths)
+        return {p: c[:, bounds[i] : bounds[i + 1]] for i, p in enumerate(self.paths)}
 
     def placements(self) -> dict[str, ExpertPlacement]:
         """Every layer's current placement (NumPy arrays) by dotted path."""
@@ -140,42 +138,20 @@ class MeshExpertBalancer:
         """The current placements, group by group: what a step dispatched now runs with (see :meth:`observe`)."""
         return tuple(tuple(b.placements) for b in self.balancers)
 
-    def slot_counts(self, counts: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """Per-layer rows per physical slot ``[P]`` from the step's per-device counts ``[dp * ep, P / ep]``.
-
-        A layer missing from ``counts`` did not run in the step and counts zero rows.
-        """
-        unknown = sorted(set(counts) - set(self.paths))
-        if unknown:
-            raise ValueError(f"counts: {unknown} name no balanced MoE layer; the layers: {list(self.paths)}")
-        out = {}
-        for path in self.paths:
-            if (
-                path not in counts
-            ):  # a layer the step does not run (an MTP layer without speculative decoding)
-                out[path] = np.zeros(self._num_slots[path], np.int64)
-                continue
-            c = np.asarray(counts[path], np.int64)
-            if c.ndim != 2 or c.shape[0] != self.dp * self.ep:
-                raise ValueError(
-                    f"counts[{path!r}]: shape {c.shape}, expected ({self.dp * self.ep}, slots per device)"
-                )
-            out[path] = c.reshape(self.dp, -1).sum(axis=0)
-        return out
-
     def observe(
         self,
-        counts: Mapping[str, Any],
+        counts: Any,
         *,
         prefill: bool = False,
         snapshot: tuple[tuple[ExpertPlacement, ...], ...] | None = None,
     ) -> bool:
-        """Account one step's counts (:meth:`slot_counts`' input); True when :meth:`rearrange` is due.
+        """Account one step's counts (:meth:`split`'s input); True when :meth:`rearrange` is due.
 
-        ``snapshot`` is :meth:`snapshot` as of the step's dispatch (default: the current placements).
+        Each layer's per-slot load ``[P]`` is its devices' counts summed over the ``dp`` groups, which share one
+        placement. ``snapshot`` is :meth:`snapshot` as of the step's dispatch (default: the current placements).
         """
-        per_slot = self.slot_counts(counts)
-        loads = np.stack([device_loads(per_slot[p], self.ep) for p in self.paths])  # [layers, ep]
+        per_slot = {p: c.reshape(self.dp, -1).sum(axis=0) for p, c in self.split(counts).items()}
+        loads = np.stack([device_loads(c, self.ep) for c in per_slot.values()])  # [layers, ep]
         peak, mean = float(loads.max(axis=-1).sum()), float(loads.mean(axis=-1).sum())
         self.total_peak += peak
         self.total_mean += mean

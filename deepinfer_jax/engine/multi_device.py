@@ -845,7 +845,7 @@ class MeshRunner(EngineRunner):
     def _process(self, plan: MeshPlan, step: _InFlight) -> list[RequestOutput]:  # type: ignore[override]
         finished = self._process_tokens(plan, step.out)
         if self.balancer is not None and step.expert_counts is not None:
-            counts = self.balancer.split(_to_host(step.expert_counts))
+            counts = _to_host(step.expert_counts)
             if self.balancer.observe(counts, prefill=step.prefill, snapshot=step.snapshot):
                 # The next dispatch takes the re-placed slots; the step in flight keeps the arrays it was given.
                 self.executor.params = self.balancer.rearrange(self.executor.params)

@@ -3,6 +3,8 @@ for, and equal bit for bit to the eagerly loaded stacks (through each family's o
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import numpy as np
 import pytest
@@ -37,7 +39,6 @@ def _expert_paths(params):
     [("tiny-v3", "float32"), ("tiny-v4", "bfloat16"), ("tiny-v41", "float32"), ("tiny-v41", "bfloat16")],
 )
 def test_deferred_stacks_equal_the_eager_ones_and_read_on_demand(name, dtype, monkeypatch):
-    eager = load_model(name, dtype)
     reads: list[str] = []
     real = reader_mod.SafetensorsReader.read
 
@@ -46,6 +47,9 @@ def test_deferred_stacks_equal_the_eager_ones_and_read_on_demand(name, dtype, mo
         return real(self, tensor)
 
     monkeypatch.setattr(reader_mod.SafetensorsReader, "read", spy)
+    eager = load_model(name, dtype)
+    used_experts = {t for t in reads if is_expert_tensor(t)}  # the expert tensors the family reads
+    reads.clear()
     deferred = load_model(name, dtype, defer_experts=True)
     # Assembly read every non-expert tensor once, and of the experts only expert 0 (for the stacks' shapes).
     expert_reads = [t for t in reads if is_expert_tensor(t)]
@@ -55,11 +59,14 @@ def test_deferred_stacks_equal_the_eager_ones_and_read_on_demand(name, dtype, mo
 
     stacks, arrays = _expert_paths(deferred.params), _expert_paths(eager.params)
     assert stacks.keys() == arrays.keys() and stacks
+    reads.clear()
     for path, stack in stacks.items():
         assert isinstance(stack, ExpertStack), path
         want = np.asarray(arrays[path])
         assert (stack.shape, stack.dtype, stack.ndim) == (want.shape, want.dtype, want.ndim), path
         np.testing.assert_array_equal(np.asarray(stack), want, err_msg=path)
+    # Reading every leaf (an FP8 weight and its scale are built together) read each expert tensor exactly once.
+    assert used_experts and collections.Counter(reads) == dict.fromkeys(used_experts, 1)
     # Everything else is the eager tree's, leaf for leaf.
     rest = [
         (p, leaf)
