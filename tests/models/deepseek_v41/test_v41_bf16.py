@@ -1,7 +1,7 @@
 """The bfloat16 production mode of DeepSeek-V4.1 (ARCHITECTURE.md §8; spec/model.md §12.2-§12.4) on tiny-v41.
 
 * **GEMM input cast (§12.2)** on the real FP8 and MXFP4 weights of the tiny checkpoint (their stored bytes,
-  decoded here with ml_dtypes and a lookup table): the production linear equals the parity linear fed this file's
+  decoded with ml_dtypes and a lookup table by tests/v41_reference.py): the production linear equals the parity linear fed this file's
   own MXFP8 round trip of the activation (bit for bit), and the float64 product of that round trip with the
   decoded weight (within bf16 rounding); unquantised weights (router, compressor) are never cast.
 * **Cache round trips (§12.4)**: one attention layer (ratio 2, its own compressor, indexer and indexer keys) runs
@@ -19,7 +19,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from quant_reference import (  # tests/quant_reference.py
@@ -29,6 +28,7 @@ from quant_reference import (  # tests/quant_reference.py
     np_mxfp4,
     np_mxfp8,
 )
+from v41_reference import decode_fp8, decode_mxfp4  # tests/v41_reference.py
 
 from deepinfer_jax.checkpoint.model_loading import load_model
 from deepinfer_jax.config.model import ModelConfig
@@ -40,28 +40,6 @@ from deepinfer_jax.numerics.activation import CastPolicy
 
 LAYER = 1  # tiny-v41 layer 1: ratio 2, KV source, index source and index-K source
 S = 24
-FP4_LUT = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
-
-
-# ----------------------------------------------------------------------- independent quantise-dequantise
-
-
-def _ue8m0(s: np.ndarray) -> np.ndarray:
-    return np.exp2(np.asarray(s).view(np.uint8).astype(np.float64) - 127)
-
-
-def decode_fp8(codes: Any, scale: Any) -> np.ndarray:
-    """An FP8 weight (E4M3 bytes) with its 32x32 UE8M0 block scales (§12.1.1), decoded with ml_dtypes."""
-    values = np.asarray(codes).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    sc = np.repeat(np.repeat(_ue8m0(scale), 32, axis=0), 32, axis=1)
-    return values * sc[: values.shape[0], : values.shape[1]]
-
-
-def decode_mxfp4(packed: Any, scale: Any) -> np.ndarray:
-    """An MXFP4 matrix: element 2i in the low nibble, one UE8M0 scale per 32 inputs (§12.1.2)."""
-    packed = np.asarray(packed).view(np.uint8)
-    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
-    return FP4_LUT[codes] * np.repeat(_ue8m0(scale), 32, axis=1)
 
 
 # --------------------------------------------------------------------------------------------- set-up

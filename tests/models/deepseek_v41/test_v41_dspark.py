@@ -1,8 +1,9 @@
 """The DSpark drafter of DeepSeek-V4.1 (spec/model.md §11) and the backbone's target-feature capture (§11.1).
 
 The drafter of ``tiny-v41`` (two draft layers, 4 experts of which 2 per token, ``B = 4``, ``W = 16``) runs
-against a float64 NumPy re-derivation written here from the spec: it decodes the FP8 (32x32 UE8M0 blocks) and
-MXFP4 weights itself with ml_dtypes and a lookup table and does the context keys, the block attention (window of
+against a float64 NumPy re-derivation written here from the spec (weight decoding and the mHC mixing shared with the
+backbone's, in tests/v41_reference.py): it decodes the FP8 (32x32 UE8M0 blocks) and MXFP4 weights with
+ml_dtypes and a lookup table and does the context keys, the block attention (window of
 context keys plus every block key, sinks, grouped output projection), the mHC of both schedules, the MoE, the
 collapse and the sequential Markov-corrected heads. The capture is checked on a two-layer cut (Engram, then a
 window layer) against the same NumPy layer code.
@@ -15,11 +16,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from v41_reference import fp4, fp8, hc_mix, sigmoid  # tests/v41_reference.py
 
 from deepinfer_jax.checkpoint.model_loading import load_model
 from deepinfer_jax.config.model import ModelConfig
@@ -37,8 +38,6 @@ from deepinfer_jax.models.deepseek_v4.dspark import (
 from deepinfer_jax.models.deepseek_v4.engram import engram_layer, hash_rows, ngram_ids
 from deepinfer_jax.models.deepseek_v4.synthetic import generate_v41_weights
 
-E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
-FP4_LUT = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
 S = 24  # prefix length: longer than W = 16, so the window of the last position starts after position 0
 P = np.array([23, 10], np.int32)  # row 0 clips its window (lo = 8), row 1 does not (lo = 0)
 
@@ -47,24 +46,6 @@ _hidden = jax.jit(draft_hidden, static_argnames="static")
 
 
 # ------------------------------------------------------------------------------ float64 re-derivation
-
-
-def scale_values(s):
-    return np.exp2(np.asarray(s).view(np.uint8).astype(np.float64) - 127)
-
-
-def decode_fp8(t, name):
-    """§12.1.1: E4M3 codes times a UE8M0 scale per 32x32 block."""
-    codes = np.asarray(t[f"{name}.weight"]).view(E4M3).astype(np.float64)
-    sc = np.repeat(np.repeat(scale_values(t[f"{name}.scale"]), 32, axis=0), 32, axis=1)
-    return codes * sc[: codes.shape[0], : codes.shape[1]]
-
-
-def decode_fp4(t, name):
-    """§12.1.2: E2M1 codes, element 2i in the low nibble, one UE8M0 scale per 32 inputs."""
-    packed = np.asarray(t[f"{name}.weight"]).view(np.uint8)
-    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
-    return FP4_LUT[codes] * np.repeat(scale_values(t[f"{name}.scale"]), 32, axis=1)
 
 
 class Ref:
@@ -82,12 +63,12 @@ class Ref:
 
     def fp8(self, name):
         if (name, "fp8") not in self._decoded:
-            self._decoded[name, "fp8"] = decode_fp8(self.t, name)
+            self._decoded[name, "fp8"] = fp8(self.t, name)
         return self._decoded[name, "fp8"]
 
     def fp4(self, name):
         if (name, "fp4") not in self._decoded:
-            self._decoded[name, "fp4"] = decode_fp4(self.t, name)
+            self._decoded[name, "fp4"] = fp4(self.t, name)
         return self._decoded[name, "fp4"]
 
     def f64(self, name):
@@ -109,20 +90,7 @@ class Ref:
 
     def hc_mix(self, R, prefix):
         """pre, post, comb of one sub-layer for one token's streams R [m, H] (§6.3)."""
-        m, cfg = self.m, self.cfg
-        flat = R.reshape(-1)
-        mu = (self.f64(f"{prefix}_fn") @ flat) / np.sqrt(np.mean(flat * flat) + self.eps)
-        base, scale = self.f64(f"{prefix}_base"), self.f64(f"{prefix}_scale")
-        pre = sigmoid(mu[:m] * scale[0] + base[:m]) + cfg.hc_eps
-        post = 2 * sigmoid(mu[m : 2 * m] * scale[1] + base[m : 2 * m])
-        x = (mu[2 * m :] * scale[2] + base[2 * m :]).reshape(m, m)
-        x = np.exp(x - x.max(axis=1, keepdims=True))
-        x = x / x.sum(axis=1, keepdims=True) + cfg.hc_eps
-        x = x / (x.sum(axis=0, keepdims=True) + cfg.hc_eps)
-        for _ in range(cfg.hc_sinkhorn_iters - 1):
-            x = x / (x.sum(axis=1, keepdims=True) + cfg.hc_eps)
-            x = x / (x.sum(axis=0, keepdims=True) + cfg.hc_eps)
-        return pre, post, x
+        return hc_mix(R, self.t, prefix, self.cfg)
 
     def keys(self, x, a, pos):
         """Window keys RoPE(RMSNorm(x·wkvᵀ; kv_norm)) of rows x [N, H'] at positions pos (§7.2)."""
@@ -240,10 +208,6 @@ class Ref:
             tokens.append(d)
             prev = d
         return np.array(tokens), np.array(logps), np.array(confs), min(margins)
-
-
-def sigmoid(x):
-    return 1 / (1 + np.exp(-x))
 
 
 # ------------------------------------------------------------------------------------------ fixtures

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from v41_reference import f64, fp4, fp8, hc_mix, sigmoid  # tests/v41_reference.py
 
 from deepinfer_jax.checkpoint.model_loading import load_model
 from deepinfer_jax.config.model import ModelConfig
@@ -31,7 +32,6 @@ from deepinfer_jax.ops import RopeParams
 SEED = 5
 B, S = 2, 40  # 40 tokens: the ratio-2 layer sees up to 20 compressed keys, more than index_topk = 16
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
-FP4_LUT = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
 
 
 def two_layer_config(*, shifted: bool) -> ModelConfig:
@@ -58,36 +58,9 @@ def two_layer_config(*, shifted: bool) -> ModelConfig:
 # ------------------------------------------------------------------------------ float64 re-derivation
 
 
-def scale_values(s):
-    return np.exp2(np.asarray(s).view(np.uint8).astype(np.float64) - 127)
-
-
-def fp8(t, name, block=(32, 32)):
-    """Dequantise an FP8 weight with its UE8M0 block scales (§12.1.1 / §12.1.3)."""
-    codes = t[f"{name}.weight"].astype(np.float64)
-    sc = scale_values(t[f"{name}.scale"])
-    sc = np.repeat(np.repeat(sc, block[0], axis=0), block[1], axis=1)
-    return codes * sc[: codes.shape[0], : codes.shape[1]]
-
-
-def fp4(t, name):
-    """Dequantise an MXFP4 matrix: element 2i in the low nibble, one UE8M0 scale per 32 inputs (§12.1.2)."""
-    packed = t[f"{name}.weight"].view(np.uint8)
-    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
-    return FP4_LUT[codes] * np.repeat(scale_values(t[f"{name}.scale"]), 32, axis=1)
-
-
-def f64(t, name):
-    return np.asarray(t[name]).astype(np.float64)
-
-
 def rms(x, w, eps):
     y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
     return y if w is None else y * w
-
-
-def sigmoid(x):
-    return 1 / (1 + np.exp(-x))
 
 
 def rope(x, pos, freqs, d, inverse=False):
@@ -100,24 +73,6 @@ def rope(x, pos, freqs, d, inverse=False):
     out[..., -d::2] = z0 * c - z1 * s
     out[..., -d + 1 :: 2] = z0 * s + z1 * c
     return out
-
-
-def hc_mix(R, t, prefix, cfg):
-    """pre, post, comb of one sub-layer for one token's streams R [m, H] (§6.3)."""
-    m = cfg.hc_mult
-    flat = R.reshape(-1)
-    mu = (f64(t, f"{prefix}_fn") @ flat) / np.sqrt(np.mean(flat * flat) + cfg.rms_norm_eps)
-    base, scale = f64(t, f"{prefix}_base"), f64(t, f"{prefix}_scale")
-    pre = sigmoid(mu[:m] * scale[0] + base[:m]) + cfg.hc_eps
-    post = 2 * sigmoid(mu[m : 2 * m] * scale[1] + base[m : 2 * m])
-    x = (mu[2 * m :] * scale[2] + base[2 * m :]).reshape(m, m)
-    x = np.exp(x - x.max(axis=1, keepdims=True))
-    x = x / x.sum(axis=1, keepdims=True) + cfg.hc_eps
-    x = x / (x.sum(axis=0, keepdims=True) + cfg.hc_eps)
-    for _ in range(cfg.hc_sinkhorn_iters - 1):
-        x = x / (x.sum(axis=1, keepdims=True) + cfg.hc_eps)
-        x = x / (x.sum(axis=0, keepdims=True) + cfg.hc_eps)
-    return pre, post, x
 
 
 def engram(R, ids, t, cfg):
