@@ -31,6 +31,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.ops.tiling import tile_rows, tiled_map, untile_rows
+
 __all__ = [
     "RaggedMeta",
     "compressed_slots",
@@ -38,6 +40,7 @@ __all__ = [
     "history",
     "make_meta",
     "ring_write",
+    "rowwise_meta",
     "write_entries",
 ]
 
@@ -109,6 +112,36 @@ def make_meta(
         row_start,
         slot,
     )
+
+
+def rowwise_meta(fn: Any, tile: int | None, meta: RaggedMeta, tokens: Any) -> Any:
+    """``fn(meta, tokens)`` for a pytree ``tokens`` of token-major arrays, optionally in fixed tiles of tokens.
+
+    Like :func:`~deepinfer_jax.ops.tiling.rowwise`, for computations that also read the step's addressing: each
+    tile gets ``meta`` with its token fields (``token_seq``, ``positions``, ``valid``, ``row``, ``slot``) cut to
+    the tile and the row fields whole. Padding tokens of the last tile are marked as padding (``token_seq = S``,
+    ``valid`` false, ``slot = -1``). Attention reads the caches through batched contractions whose size is the
+    step's token count; on XLA:CPU a token's result then depends on that count, so batch-invariant mode runs
+    them per tile. ``None`` leaves of ``tokens`` (absent optional inputs) pass through.
+    """
+    if tile is None:
+        return fn(meta, tokens)
+    fields = (
+        tile_rows(meta.token_seq, tile, meta.num_rows),
+        tile_rows(meta.positions, tile),
+        tile_rows(meta.valid, tile, False),
+        tile_rows(meta.row, tile),
+        tile_rows(meta.slot, tile, -1),
+    )
+
+    def one(xs: tuple[Any, Any]) -> Any:
+        (token_seq, positions, valid, row, slot), part = xs
+        local = meta._replace(token_seq=token_seq, positions=positions, valid=valid, row=row, slot=slot)
+        return fn(local, part)
+
+    tiled = (fields, jax.tree.map(lambda a: tile_rows(a, tile), tokens))
+    out = tiled_map(one, tiled, tile, meta.num_tokens)
+    return jax.tree.map(lambda a: untile_rows(a, meta.num_tokens), out)
 
 
 def history(

@@ -8,12 +8,14 @@ returns one :class:`~deepinfer_jax.engine.params.RequestOutput` per request, in 
 fails at run time (it can never fit the cache, or its logits are unusable) ends alone with
 ``finish_reason="error"``.
 
-Each model family runs through its :class:`~deepinfer_jax.engine.paged_model.PagedModel` (:func:`paged_model_for`).
+Each model family runs through its :class:`~deepinfer_jax.models.paged.PagedModel`, built by its
+:class:`~deepinfer_jax.models.registry.ModelFamily`. The engine always runs on a ``(dp, ep)`` mesh; one device is
+the ``(1, 1)`` mesh, with the same scheduler, plan, executor, step and runner.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -22,37 +24,32 @@ from typing import Any
 
 import jax
 from absl import logging
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from deepinfer_jax.cache.paged import parse_bytes
-from deepinfer_jax.checkpoint.model_loading import DTYPES, load_model
+from deepinfer_jax.cache.plan import plan_memory
+from deepinfer_jax.checkpoint.model_loading import DTYPES, Model, load_model
 from deepinfer_jax.config import load_config
 from deepinfer_jax.engine import chat as _chat
 from deepinfer_jax.engine.buckets import step_buckets
 from deepinfer_jax.engine.mesh_eplb import MeshExpertBalancer
-from deepinfer_jax.engine.multi_device import (
-    MeshRunner,
-    MeshScheduler,
-    MeshStepExecutor,
-    device_share,
-    mesh_memory_plan,
-    shard_model,
-)
-from deepinfer_jax.engine.paged_model import PagedModel, plan_memory
 from deepinfer_jax.engine.params import RequestOutput, SamplingParams, validate_request
 from deepinfer_jax.engine.runner import EngineRunner, RunStats
 from deepinfer_jax.engine.scheduler import Scheduler
 from deepinfer_jax.engine.step import StepExecutor, state_bytes
 from deepinfer_jax.models import builtin
-from deepinfer_jax.parallel import distributed, mesh_from_config, slot_expert_layers
+from deepinfer_jax.models.registry import get_family
+from deepinfer_jax.parallel import distributed, mesh_from_config, shard_model_params, slot_expert_layers
+from deepinfer_jax.parallel.mesh import mesh_sizes
+from deepinfer_jax.parallel.model_parallel import place_on_mesh
 from deepinfer_jax.text.output_parser import ChatOutput
 from deepinfer_jax.text.tokenizer import Tokenizer
 
-__all__ = ["DEFAULT_CPU_CACHE_MEMORY", "LLM", "derive_seed", "paged_model_for"]
+__all__ = ["DEFAULT_CPU_CACHE_MEMORY", "LLM", "derive_seed", "device_share"]
 
 DEFAULT_CPU_CACHE_MEMORY = 2 << 30
 """``kv_cache_memory`` default on CPU (2 GiB); on an accelerator 90% of the memory left after the weights."""
 
-_SUPPORTED_FAMILIES = ("deepseek_v3", "deepseek_v4", "deepseek_v41")
 ARGUMENT_CONFIG_KEYS = {
     "dtype": "dtype",
     "kv_cache_dtype": "kv_cache_dtype",
@@ -81,42 +78,12 @@ def derive_seed(seed: int, index: int) -> int:
     return z ^ (z >> 31)
 
 
-def check_kv_cache_dtype(family: str, dtype: str, kv_cache_dtype: str) -> str:
-    """The cache storage of ``family`` in precision ``dtype`` with the ``kv_cache_dtype`` override, or
-    ``ValueError`` naming the value and the choices."""
-    if family == "deepseek_v3":
-        from deepinfer_jax.cache.paged import latent_cache_dtype
+def device_share(total: int, num_devices: int) -> int:
+    """One device's share of a per-step budget of the whole ``LLM``: ``ceil(total / num_devices)``.
 
-        return latent_cache_dtype(dtype, kv_cache_dtype)
-    choices = ("auto", "float32", "bfloat16")
-    if kv_cache_dtype not in choices:
-        raise ValueError(
-            f"kv_cache_dtype: {kv_cache_dtype!r} is not supported for {family}; expected one of {choices} "
-            "('bfloat16' stores the production formats: MXFP8 window, FP4/MXFP8 compressed, MXFP4 indexer keys)"
-        )
-    return dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-
-
-def paged_model_for(model: Any, *, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> PagedModel:
-    """The engine's view of a loaded model (``load_model``'s result): its caches and ragged-batch forward.
-
-    ``dtype`` is the precision mode; ``kv_cache_dtype`` (``"auto"`` follows it) picks the cache storage.
+    Rounding up keeps every device's budget at least 1 and the mesh's combined budget at least ``total``.
     """
-    family = str(getattr(model.config.family, "value", model.config.family))
-    storage = check_kv_cache_dtype(family, dtype, kv_cache_dtype)
-    if family == "deepseek_v3":
-        from deepinfer_jax.engine.paged_v3 import V3PagedModel
-
-        return V3PagedModel(model.config, block_size, storage)
-    if family == "deepseek_v4":
-        from deepinfer_jax.engine.paged_v4 import V4PagedModel
-
-        return V4PagedModel.create(model, block_size=block_size, dtype=dtype, cache_dtype=storage)
-    if family == "deepseek_v41":
-        from deepinfer_jax.engine.paged_v41 import V41PagedModel
-
-        return V41PagedModel.create(model, block_size=block_size, dtype=dtype, cache_dtype=storage)
-    raise NotImplementedError(f"model: the engine has no paged caches for model family {family!r}")
+    return -(-total // num_devices)
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -217,18 +184,19 @@ def host_device() -> jax.Device | None:
         return None
 
 
-def _load_for(model_dir: Path, dtype: str, mesh: Any) -> Any:
+def _load_for(model_dir: Path, dtype: str, mesh: Mesh) -> Model:
     """The model's parameters, read where the engine lays them out from.
 
-    On one device they go straight to the default device. On a mesh they are read and assembled in host memory
-    (the CPU device) with the routed experts deferred (:mod:`deepinfer_jax.checkpoint.deferred`), and
-    :func:`~deepinfer_jax.engine.multi_device.shard_model` then reads the experts of this process's slots and
-    copies to each device only what it holds: its ``P / ep`` expert slots and the replicated rest. No
-    accelerator holds the whole model, and no process reads the experts of other processes' devices. Without a CPU backend (``JAX_PLATFORMS`` naming only an accelerator) the default device is used,
-    with a warning.
+    On one device they go straight to that device. On a mesh of several devices they are read and assembled in
+    host memory (the CPU device), with the routed experts deferred when they will be sharded over ``ep > 1``
+    (:mod:`deepinfer_jax.checkpoint.deferred`): :func:`_lay_out` then reads the experts of this process's slots
+    and copies to each device only what it holds. No accelerator holds the whole model, and no process reads the
+    experts of other processes' devices. Without a CPU backend (``JAX_PLATFORMS`` naming only an accelerator)
+    the default device is used, with a warning.
     """
-    if mesh is None:
-        return load_model(model_dir, dtype)
+    if mesh.devices.size == 1:
+        with jax.default_device(mesh.devices.flat[0]):
+            return load_model(model_dir, dtype)
     host = host_device()
     if host is None:
         logging.warning(
@@ -237,10 +205,32 @@ def _load_for(model_dir: Path, dtype: str, mesh: Any) -> Any:
             os.environ.get("JAX_PLATFORMS"),
         )
         return load_model(model_dir, dtype)
+    _, ep = mesh_sizes(mesh)
     with jax.default_device(host):
         return load_model(
-            model_dir, dtype, sharding=jax.sharding.SingleDeviceSharding(host), defer_experts=True
+            model_dir, dtype, sharding=jax.sharding.SingleDeviceSharding(host), defer_experts=ep > 1
         )
+
+
+def _lay_out(model: Model, mesh: Mesh, *, extra: int = 0) -> Model:
+    """``model`` with its parameters on ``mesh``: with ``ep > 1`` the routed experts in ``ep``-sharded slots
+    (``extra`` redundant ones per layer, :func:`~deepinfer_jax.parallel.shard_model_params`), everything else
+    replicated. One device needs no layout; with ``ep = 1`` every device holds every expert, so the MoE layers
+    run locally, without a collective."""
+    dp, ep = mesh_sizes(mesh)
+    if dp * ep == 1:
+        return model
+    if ep == 1:
+        replicated = NamedSharding(mesh, PartitionSpec())
+        params = jax.tree.map(lambda a: place_on_mesh(a, replicated), model.params)
+    elif model.family.logical_axes is None:
+        raise NotImplementedError(
+            f"expert_parallel_size: model family {model.family.name!r} has no logical parameter axes, so its "
+            "experts cannot be sharded over a mesh; use 1"
+        )
+    else:
+        params = shard_model_params(model.params, model.family.logical_axes(model.params), mesh, extra=extra)
+    return Model(model.config, params, model.family, model.dtype, model.path)
 
 
 class LLM:
@@ -265,7 +255,8 @@ class LLM:
       data_parallel_size, expert_parallel_size: the ``(dp, ep)`` mesh over ``dp * ep`` devices (ARCHITECTURE
         §5): each device runs its own sequences, routed experts are sharded over ``ep``. On a mesh,
         ``kv_cache_memory``, ``max_num_seqs`` and ``max_num_batched_tokens`` are still those of the whole
-        ``LLM``; each device gets its share (:mod:`deepinfer_jax.engine.multi_device`).
+        ``LLM``; each device gets its share (:func:`device_share`). One device is the ``(1, 1)`` mesh: the same
+        engine (docs/engine.md, "One engine path").
       **engine_overrides: dotted config names (``{"cache.block_size": 16}``), as :func:`load_config` takes.
     """
 
@@ -328,22 +319,24 @@ class LLM:
             **engine_overrides,
         }
         config = load_config(model_dir, overrides=overrides)
-        family = str(getattr(config.require_model("LLM").family, "value", config.model.family))
-        if family not in _SUPPORTED_FAMILIES:
-            raise NotImplementedError(f"model: the engine has no paged caches for model family {family!r}")
-        check_kv_cache_dtype(family, dtype, kv_cache_dtype)  # before any weight is read
+        family = get_family(str(getattr(config.require_model("LLM").family, "value", config.model.family)))
+        cache_storage, _ = family.engine_support()
+        cache_storage(dtype, kv_cache_dtype)  # before any weight is read
         check_parallel_support(config.parallel)
         # A multi-process run joins its peers before anything touches a JAX backend; then the mesh, before any
         # weight is read (more devices than exist is a ValueError naming both sizes).
         distributed.initialize(config.parallel)
-        mesh = mesh_from_config(config.parallel) if num_devices > 1 else None
-        if mesh is None and distributed.is_multi_process(config.parallel):
+        mesh = mesh_from_config(config.parallel)
+        if num_devices == 1 and distributed.is_multi_process(config.parallel):
             raise ValueError(
                 f"parallel.num_processes = {config.parallel.num_processes}: a multi-process run needs a mesh over "
                 "the devices of every process; set data_parallel_size * expert_parallel_size to their number"
             )
         self.config = config
-        self.model = _load_for(model_dir, dtype, mesh)
+        self.mesh = mesh
+        self.model = _lay_out(
+            _load_for(model_dir, dtype, mesh), mesh, extra=config.parallel.eplb_num_redundant_experts
+        )
         cfg = self.model.config
         self.tokenizer = _resolve_tokenizer(tokenizer, model_dir)
         eos = cfg.eos_token_id
@@ -352,21 +345,19 @@ class LLM:
         )
         self.seed = seed
         self.batch_invariant = bool(config.ops.batch_invariant)
-        self.mesh = mesh
-        if mesh is not None:
-            self.model = shard_model(self.model, mesh, extra=config.parallel.eplb_num_redundant_experts)
-            # From here on the budgets are one device's (engine/multi_device.py).
-            max_num_seqs = device_share(max_num_seqs, num_devices)
-            max_num_batched_tokens = device_share(max_num_batched_tokens, num_devices)
+        # From here on the budgets are one device's (docs/engine.md, "budgets on a mesh").
+        max_num_seqs = device_share(max_num_seqs, num_devices)
+        max_num_batched_tokens = device_share(max_num_batched_tokens, num_devices)
 
         num_slots = max_num_seqs + 1
-        self.paged_model = paged_model_for(
+        _, paged_model = self.model.family.engine_support()
+        self.paged_model = paged_model(
             self.model, block_size=config.cache.block_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype
         )
         if budget is None:
             budget = _default_cache_memory(self.model.params, num_devices)
         try:
-            self.memory_plan = plan_memory(
+            plan = plan_memory(
                 self.paged_model.layout(),
                 budget // num_devices,
                 num_slots=num_slots,
@@ -374,21 +365,25 @@ class LLM:
                 num_blocks=config.cache.num_blocks,
             )
         except ValueError as err:
-            if mesh is None:
+            if num_devices == 1:
                 raise
             raise ValueError(
                 f"{err} (on the mesh, kv_cache_memory = {budget} B is split over {num_devices} devices: "
                 f"{budget // num_devices} B each)"
             ) from None
-        if mesh is not None:
-            self.memory_plan = mesh_memory_plan(
-                self.memory_plan,
-                mesh=mesh,
-                total_budget_bytes=budget,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                params=self.model.params,
-            )
+        dp, ep = mesh_sizes(mesh)
+        self.memory_plan = dataclasses.replace(
+            plan,
+            dp=dp,
+            ep=ep,
+            total_budget_bytes=budget,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            expert_slots=tuple(
+                (path, layer.num_experts, layer.num_slots)
+                for path, layer in slot_expert_layers(self.model.params).items()
+            ),
+        )
         spec = self.memory_plan.spec
         logging.info("%s", self.memory_plan.describe())
         capacity = spec.usable_tokens + 1  # the last sampled token never enters the cache
@@ -411,9 +406,8 @@ class LLM:
             )
         self.max_model_len = max_model_len
         max_blocks = -(-(max_model_len - 1) // spec.block_size)
-        buckets = step_buckets(max_num_batched_tokens, max_num_seqs)
-        make_scheduler = functools.partial(
-            Scheduler,
+        self.scheduler = Scheduler(
+            num_devices=num_devices,
             num_blocks=spec.num_blocks,
             block_size=spec.block_size,
             max_num_seqs=max_num_seqs,
@@ -423,7 +417,7 @@ class LLM:
             eos_token_ids=self.eos_token_ids,
             num_state_slots=num_slots,
             max_blocks_per_seq=max_blocks,
-            buckets=buckets,
+            buckets=step_buckets(max_num_batched_tokens, max_num_seqs),
             tokenizer=self.tokenizer,
             min_bucket_fill=config.scheduler.min_bucket_fill,
         )
@@ -431,48 +425,23 @@ class LLM:
         self.expert_balancer: MeshExpertBalancer | None = None
         """EPLB of a mesh with ``expert_parallel_size > 1`` (:mod:`deepinfer_jax.engine.mesh_eplb`), else None."""
         self._next_id = 0
-        if mesh is not None:
-            self._start_mesh(mesh, make_scheduler, num_blocks=spec.num_blocks, num_slots=num_slots)
-            return
-        self.scheduler = make_scheduler()
+        # EPLB and the moe_lb statistics need an expert-parallel group (ep > 1) with slot-layout MoE layers.
+        parallel = config.parallel
+        if ep > 1 and slot_expert_layers(self.model.params):
+            self.expert_balancer = MeshExpertBalancer(parallel, self.model.params, mesh)
+        elif parallel.eplb_interval_steps:
+            logging.info("parallel.eplb_interval_steps is set but expert_parallel_size = 1: EPLB stays off")
         self.executor = StepExecutor(
             self.model.params,
             self.paged_model,
+            mesh,
             num_blocks=spec.num_blocks,
             num_slots=num_slots,
             max_blocks_per_seq=max_blocks,
             batch_invariant=self.batch_invariant,
-        )
-        self.runner = EngineRunner(
-            self.scheduler, self.executor, vocab_size=cfg.vocab_size, eos_token_ids=self.eos_token_ids
-        )
-
-    def _start_mesh(self, mesh: Any, make_scheduler: Any, *, num_blocks: int, num_slots: int) -> None:
-        """The engine on a mesh: one scheduler per device behind a router, one global step, its runner."""
-        self.scheduler = MeshScheduler([make_scheduler() for _ in range(mesh.devices.size)])
-        # EPLB and the moe_lb statistics need an expert-parallel group (spec/engine.md §11.3: ep > 1).
-        parallel = self.config.parallel
-        if parallel.expert_parallel_size > 1 and slot_expert_layers(self.model.params):
-            self.expert_balancer = MeshExpertBalancer(parallel, self.model.params, mesh)
-        elif parallel.eplb_interval_steps:
-            logging.info("parallel.eplb_interval_steps is set but expert_parallel_size = 1: EPLB stays off")
-        self.executor = MeshStepExecutor(
-            self.model.params,
-            self.paged_model,
-            mesh,
-            num_blocks=num_blocks,
-            num_slots=num_slots,
-            max_blocks_per_seq=self.scheduler.max_blocks_per_seq,
-            batch_invariant=self.batch_invariant,
             expert_counts=self.expert_balancer is not None,
         )
-        self.runner = MeshRunner(
-            self.scheduler,
-            self.executor,
-            vocab_size=self.model.config.vocab_size,
-            eos_token_ids=self.eos_token_ids,
-            balancer=self.expert_balancer,
-        )
+        self.runner = EngineRunner(self.scheduler, self.executor, balancer=self.expert_balancer)
 
     # -------------------------------------------------------------------------------------- inputs
 

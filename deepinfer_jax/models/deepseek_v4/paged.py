@@ -43,6 +43,7 @@ round trip the bfloat16 model applies (spec §12.4). Compression state is float3
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,100 +57,30 @@ from deepinfer_jax.cache.ragged import (
     gather_entries,
     history,
     ring_write,
+    rowwise_meta,
     write_entries,
 )
+from deepinfer_jax.cache.stores import CompressedCache, KeyStore, key_cache_storage, key_store
 from deepinfer_jax.config.v4 import DeepseekV4Config
-from deepinfer_jax.engine.paged_model import CacheLayout, PagedModel, rowwise, rowwise_meta, zeros
 from deepinfer_jax.models.common.embedding import embed_tokens, lm_head
-from deepinfer_jax.models.common.linear import LinearNumerics, linear
+from deepinfer_jax.models.common.linear import LinearNumerics
 from deepinfer_jax.models.deepseek_v4.attention import (
     CSA,
     SLIDING,
     AttentionSpec,
     grouped_output_projection,
+    project_attention,
 )
 from deepinfer_jax.models.deepseek_v4.mhc import hc_collapse, hc_expand, hc_head, hc_mixes
 from deepinfer_jax.models.deepseek_v4.model import V4Plan, moe_layer, numerics_for
-from deepinfer_jax.numerics.activation import kv_cast
-from deepinfer_jax.numerics.kv_records import (
-    RecordFormat,
-    compressed_record_format,
-    decode_records,
-    encode_records,
-    indexer_record_format,
-    window_record_format,
-)
+from deepinfer_jax.models.paged import CacheLayout, PagedModel
 from deepinfer_jax.ops import apply_rope, rms_norm, rope_cos_sin
 from deepinfer_jax.ops import get as get_op
+from deepinfer_jax.ops.tiling import rowwise
 
-__all__ = ["CACHE_DTYPES", "KeyStore", "V4PagedModel"]
-
-CACHE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
-"""``cache_dtype`` values: unquantised keys, or the production record formats (module docstring)."""
+__all__ = ["V4PagedModel", "cache_storage", "paged_model"]
 
 Params = Mapping[str, Any]
-_RECORD_NAMES = {("e4m3", "ue8m0"): "MXFP8", ("e2m1", "e4m3"): "FP4", ("e2m1", "ue8m0"): "MXFP4"}
-
-
-@dataclasses.dataclass(frozen=True)
-class KeyStore:
-    """How one kind of key (window, compressed, indexer) is stored: plain values or quantised records.
-
-    With ``record`` set, keys are ``uint8 [..., record_bytes]`` records and reading one back gives the
-    format's dequantised value; otherwise they are values of ``dtype`` and ``cast`` names the precision mode's
-    own round trip (:func:`~deepinfer_jax.numerics.activation.kv_cast`, ``"none"`` in parity mode).
-    """
-
-    width: int
-    dtype: str
-    cast: str = "none"
-    record: RecordFormat | None = None
-
-    @property
-    def item_shape(self) -> tuple[int, ...]:
-        return (self.record.record_bytes,) if self.record is not None else (self.width,)
-
-    @property
-    def item_dtype(self) -> Any:
-        return jnp.uint8 if self.record is not None else jnp.dtype(self.dtype)
-
-    @property
-    def item_bytes(self) -> int:
-        return (
-            self.record.record_bytes
-            if self.record is not None
-            else self.width * jnp.dtype(self.dtype).itemsize
-        )
-
-    def describe(self) -> str:
-        """One key's storage in words, e.g. ``"MXFP8 132 B"`` or ``"float32 512 B"``."""
-        if self.record is not None:
-            name = _RECORD_NAMES.get((self.record.element, self.record.scale), self.record.name)
-            return f"{name} {self.record.record_bytes} B"
-        return f"{self.dtype} {self.item_bytes} B"
-
-    def encode(self, x: jax.Array) -> jax.Array:
-        """What is stored for keys ``x [..., width]``."""
-        if self.record is not None:
-            return encode_records(x.astype(jnp.float32), self.record)
-        return kv_cast(x, self.cast).astype(self.item_dtype)
-
-    def decode(self, stored: jax.Array, dtype: Any) -> jax.Array:
-        """The keys a reader sees, in ``dtype``."""
-        if self.record is not None:
-            return decode_records(stored, self.record, dtype=jnp.float32).astype(dtype)
-        return stored.astype(dtype)
-
-
-def _store(kind: str, width: int, cache_dtype: str, act: str, cast: str) -> KeyStore:
-    if cache_dtype == "float32":
-        return KeyStore(width, act, cast)
-    fmt = {
-        "window": window_record_format,
-        "compressed": compressed_record_format,
-        "indexer": indexer_record_format,
-    }[kind](width)
-    return KeyStore(width, act, cast, fmt)
 
 
 def _compressor_feats(spec: AttentionSpec, width: int) -> tuple[int, int]:
@@ -164,7 +95,9 @@ class V4PagedModel(PagedModel):
     """DeepSeek-V4 over paged compressed entries and per-sequence state slots (module docstring).
 
     Build it with :meth:`create`. Frozen and hashable: the engine passes it to the jitted step as a static
-    argument.
+    argument. Its cache is a :class:`~deepinfer_jax.cache.stores.CompressedCache`: every layer's window ring,
+    the pages of every compressed layer (``kv``) and of every CSA layer's indexer (``ik``), and the projection
+    rings of every compressor (``state``: each compressed layer's, then each CSA layer's indexer compressor).
 
     Attributes:
       cfg: the model's :class:`~deepinfer_jax.config.v4.DeepseekV4Config`.
@@ -191,15 +124,14 @@ class V4PagedModel(PagedModel):
         """The engine's view of a loaded V4 model (``load_model``'s result) in precision mode ``dtype``.
 
         Refuses a ``block_size`` that a layer's compression ratio does not divide and a ``cache_dtype``
-        outside :data:`CACHE_DTYPES`.
+        outside ``("float32", "bfloat16")``.
         """
         cfg = model.config
         if not isinstance(cfg, DeepseekV4Config):
             raise TypeError(f"model.config: expected a DeepseekV4Config, got {type(cfg).__name__}")
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype: {dtype!r} is not a precision mode; expected 'float32' or 'bfloat16'")
-        if cache_dtype not in CACHE_DTYPES:
-            raise ValueError(f"cache_dtype: {cache_dtype!r} is not supported; expected one of {CACHE_DTYPES}")
+        cache_dtype = key_cache_storage("deepseek_v4", dtype, cache_dtype)
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size: expected an int >= 1, got {block_size!r}")
         plan = V4Plan.from_config(cfg, dtype)
@@ -213,18 +145,17 @@ class V4PagedModel(PagedModel):
                         f"{field} = {width}: the production cache records quantise groups of {group} values; "
                         f"use kv_cache_dtype='float32' for this model"
                     )
+        store = functools.partial(key_store, cache_dtype=cache_dtype, dtype=plan.dtype)
         model_obj = cls(
             cfg=cfg,
             plan=plan,
             numerics=numerics_for(cfg, dtype),
             block_size=block_size,
             cache_dtype=cache_dtype,
-            window=_store("window", head_dim, cache_dtype, plan.dtype, casts.window_keys),
-            compressed=_store("compressed", head_dim, cache_dtype, plan.dtype, casts.compressed_keys),
+            window=store("window", head_dim, cast=casts.window_keys),
+            compressed=store("compressed", head_dim, cast=casts.compressed_keys),
             # A model without CSA layers stores no indexer keys; the placeholder is never read.
-            indexer=_store("indexer", index_dim, cache_dtype, plan.dtype, casts.indexer)
-            if index_dim
-            else KeyStore(0, plan.dtype),
+            indexer=store("indexer", index_dim, cast=casts.indexer) if index_dim else KeyStore(0, plan.dtype),
         )
         model_obj.check_block_size(block_size)
         return model_obj
@@ -243,6 +174,22 @@ class V4PagedModel(PagedModel):
                     f"cache.block_size = {block_size}: layer {i} ({spec.kind}) has compression ratio "
                     f"{spec.ratio}, which does not divide it; use a multiple of {spec.ratio}"
                 )
+
+    @functools.cached_property
+    def slots(self) -> tuple[tuple[int, int, int, int], ...]:
+        """Per layer, where its parts of the :class:`CompressedCache` are: ``(kv page index, indexer page index,
+        compressor ring index, indexer compressor ring index)``, ``-1`` where the layer has none."""
+        compressed = [i for i, s in enumerate(self.plan.attention) if s.kind != SLIDING]
+        sparse = [i for i, s in enumerate(self.plan.attention) if s.kind == CSA]
+        return tuple(
+            (
+                compressed.index(i) if i in compressed else -1,
+                sparse.index(i) if i in sparse else -1,
+                compressed.index(i) if i in compressed else -1,
+                len(compressed) + sparse.index(i) if i in sparse else -1,
+            )
+            for i in range(len(self.plan.attention))
+        )
 
     def _layer_bytes(self, spec: AttentionSpec) -> tuple[int, int]:
         """``(bytes per block, bytes per slot)`` of one layer."""
@@ -287,13 +234,9 @@ class V4PagedModel(PagedModel):
                 text += f") = {b} B per block"
             lines.append(text)
         storage = (
-            "float32"
-            if self.cache_dtype == "float32" and self.plan.dtype == "float32"
-            else (
-                "MXFP8 window, FP4 compressed, MXFP4 indexer"
-                if self.cache_dtype == "bfloat16"
-                else self.plan.dtype
-            )
+            "MXFP8 window, FP4 compressed, MXFP4 indexer"
+            if self.cache_dtype == "bfloat16"
+            else self.plan.dtype
         )
         return CacheLayout(
             block_size=self.block_size,
@@ -303,58 +246,47 @@ class V4PagedModel(PagedModel):
             lines=tuple(lines),
         )
 
-    def init_cache(self, num_blocks: int, num_slots: int, sharding: Any = None) -> Any:
-        """A tuple of per-layer dicts (module docstring): ``window`` ``[num_slots, W, ...]``; compressed layers add
-        ``kv_ring``/``gate_ring`` ``[num_slots, R, F]`` and ``pages`` ``[num_blocks, block / r, ...]``; CSA layers
-        add the same under ``index_*``."""
-        layers = []
-        for spec in self.plan.attention:
-            layer = {
-                "window": zeros(
-                    (num_slots, spec.window, *self.window.item_shape), self.window.item_dtype, sharding
-                )
-            }
-            if spec.kind != SLIDING:
-                per_page = self.block_size // spec.ratio
-                ring, feats = _compressor_feats(spec, spec.head_dim)
-                layer["kv_ring"] = zeros((num_slots, ring, feats), jnp.float32, sharding)
-                layer["gate_ring"] = zeros((num_slots, ring, feats), jnp.float32, sharding)
-                layer["pages"] = zeros(
-                    (num_blocks, per_page, *self.compressed.item_shape), self.compressed.item_dtype, sharding
-                )
-                if spec.kind == CSA:
-                    ring, feats = _compressor_feats(spec, spec.index_dim)
-                    layer["index_kv_ring"] = zeros((num_slots, ring, feats), jnp.float32, sharding)
-                    layer["index_gate_ring"] = zeros((num_slots, ring, feats), jnp.float32, sharding)
-                    layer["index_pages"] = zeros(
-                        (num_blocks, per_page, *self.indexer.item_shape), self.indexer.item_dtype, sharding
-                    )
-            layers.append(layer)
-        return tuple(layers)
+    def init_cache(self, num_blocks: int, num_slots: int) -> CompressedCache:
+        """A zeroed :class:`CompressedCache`: window rings ``[num_slots, W, ...]``, pages ``[num_blocks, block / r,
+        ...]`` and compressor rings ``[num_slots, R, F]`` (float32)."""
+        specs = self.plan.attention
+        compressed = [s for s in specs if s.kind != SLIDING]
+        sparse = [s for s in specs if s.kind == CSA]
+
+        def rings(spec: AttentionSpec, width: int) -> tuple[jax.Array, jax.Array]:
+            ring, feats = _compressor_feats(spec, width)
+            return tuple(jnp.zeros((num_slots, ring, feats), jnp.float32) for _ in range(2))
+
+        return CompressedCache(
+            window=tuple(self.window.zeros(num_slots, s.window) for s in specs),
+            kv=tuple(self.compressed.zeros(num_blocks, self.block_size // s.ratio) for s in compressed),
+            ik=tuple(self.indexer.zeros(num_blocks, self.block_size // s.ratio) for s in sparse),
+            state=tuple(rings(s, s.head_dim) for s in compressed)
+            + tuple(rings(s, s.index_dim) for s in sparse),
+        )
 
     # ------------------------------------------------------------------------------------------ forward
 
     def forward(
         self,
         params: Any,
-        cache: Any,
+        cache: CompressedCache,
         token_ids: jax.Array,
         meta: RaggedMeta,
         *,
         tile: int | None,
         logit_index: jax.Array | None = None,
-    ) -> tuple[jax.Array, Any]:
+    ) -> tuple[jax.Array, CompressedCache]:
         """Float32 logits of the tokens ``logit_index`` (default each row's last token) and the updated cache."""
         plan = self.plan
-        if len(cache) != plan.num_layers:
-            raise ValueError(f"cache: {len(cache)} layers, the model has {plan.num_layers}")
+        if len(cache.window) != plan.num_layers:
+            raise ValueError(f"cache: {len(cache.window)} layers, the model has {plan.num_layers}")
         act = jnp.dtype(plan.dtype)
         x = embed_tokens(params["embed"], token_ids, dtype=act)  # [T, H]
         streams = jnp.broadcast_to(x[:, None, :], (x.shape[0], plan.hc_mult, x.shape[-1]))
-        new_cache = []
+        parts = {name: list(getattr(cache, name)) for name in ("window", "kv", "ik", "state")}
         for i, (spec, lp) in enumerate(zip(plan.attention, params["layers"], strict=True)):
-            streams, layer_cache = self._layer(lp, spec, i, streams, token_ids, cache[i], meta, tile)
-            new_cache.append(layer_cache)
+            streams = self._layer(lp, spec, i, streams, token_ids, parts, meta, tile)
 
         def head(s: jax.Array) -> jax.Array:
             h = hc_head(s, **params["hc_head"], hc_eps=plan.hc_eps, norm_eps=plan.eps)
@@ -362,7 +294,7 @@ class V4PagedModel(PagedModel):
 
         index = meta.last_token() if logit_index is None else logit_index
         logits = rowwise(head, tile, streams[index])
-        return logits.astype(jnp.float32), tuple(new_cache)
+        return logits.astype(jnp.float32), CompressedCache(**{k: tuple(v) for k, v in parts.items()})
 
     def _layer(
         self,
@@ -371,60 +303,40 @@ class V4PagedModel(PagedModel):
         index: int,
         streams: jax.Array,
         token_ids: jax.Array,
-        cache: dict[str, jax.Array],
+        cache: dict[str, list[Any]],
         meta: RaggedMeta,
         tile: int | None,
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """One decoder layer over the flat batch: ``streams [T, m, H]`` in and out, the layer's cache updated."""
+    ) -> jax.Array:
+        """One decoder layer over the flat batch: ``streams [T, m, H]`` in and out; the layer's parts of ``cache``
+        (lists of the :class:`CompressedCache` fields) are updated in place."""
         plan, numerics = self.plan, self.numerics
         hc = {"hc_eps": plan.hc_eps, "sinkhorn_iters": plan.hc_sinkhorn_iters, "norm_eps": plan.eps}
         p = lp["attn"]
         cos, sin = rope_cos_sin(meta.positions, spec.freqs())  # [T, rope_dim / 2]
         compressed = spec.kind != SLIDING
         sparse = spec.kind == CSA
+        kv_page, ik_page, ring, index_ring = self.slots[index]
 
-        def project(streams: jax.Array, cos: jax.Array, sin: jax.Array) -> dict[str, jax.Array]:
+        def project(streams: jax.Array, cos: jax.Array, sin: jax.Array) -> dict[str, Any]:
             mix = hc_mixes(streams, **lp["hc_attn"], **hc)
-            x = rms_norm(hc_collapse(streams, mix.pre), lp["attn_norm"], eps=plan.eps)[None]  # [1, t, H]
-            c, s = cos[None], sin[None]
-            t = x.shape[1]
-            q_res = rms_norm(linear(x, p["wq_a"], numerics), p["q_norm"], eps=spec.eps)
-            q = linear(q_res, p["wq_b"], numerics).reshape(1, t, spec.heads, spec.head_dim)
-            q = apply_rope(rms_norm(q, None, eps=spec.eps), c, s, rope_dim=spec.rope_dim)
-            kv = rms_norm(linear(x, p["wkv"], numerics), p["kv_norm"], eps=spec.eps)
-            kv = apply_rope(kv, c, s, rope_dim=spec.rope_dim)
-            out = {"post": mix.post, "comb": mix.comb, "q": q[0], "kv": kv[0]}
-            if compressed:
-                cp = p["compressor"]
-                out["a"] = linear(x, cp["wkv"], numerics, out_dtype=jnp.float32)[0]
-                out["g"] = linear(x, cp["wgate"], numerics, out_dtype=jnp.float32)[0]
-            if sparse:
-                ip = p["indexer"]
-                out["ia"] = linear(x, ip["compressor"]["wkv"], numerics, out_dtype=jnp.float32)[0]
-                out["ig"] = linear(x, ip["compressor"]["wgate"], numerics, out_dtype=jnp.float32)[0]
-                qi = linear(q_res, ip["wq_b"], numerics).reshape(1, t, spec.index_heads, spec.index_dim)
-                out["qi"] = kv_cast(apply_rope(qi, c, s, rope_dim=spec.rope_dim), spec.casts.indexer)[0]
-                scale = (spec.index_dim**-0.5) * (spec.index_heads**-0.5)
-                w = linear(x, ip["weights_proj"], numerics, out_dtype=jnp.float32)
-                out["w"] = (w.astype(x.dtype).astype(jnp.float32) * jnp.float32(scale))[0]
-            return out
+            x = rms_norm(hc_collapse(streams, mix.pre), lp["attn_norm"], eps=plan.eps)
+            pr = project_attention(p, x, cos, sin, spec, numerics)
+            return {"post": mix.post, "comb": mix.comb, **pr._asdict()}
 
         pr = rowwise(project, tile, streams, cos, sin)
         act = pr["q"].dtype
-        cache = dict(cache)
 
         # Window: this step's keys (as stored) or the slot's ring, for positions p - W + 1 .. p.
         stored_kv = self.window.encode(pr["kv"])
-        items, present = history(cache["window"], stored_kv, meta, spec.window)
-        cache["window"] = ring_write(cache["window"], stored_kv, meta, after=items)
+        items, present = history(cache["window"][index], stored_kv, meta, spec.window)
+        cache["window"][index] = ring_write(cache["window"][index], stored_kv, meta, after=items)
         scale = spec.head_dim**-0.5
 
         # Compressed entries completed by this step's tokens are written before anything reads them.
         if compressed:
-            cache["kv_ring"], cache["gate_ring"], cache["pages"] = self._compress(
-                cache["kv_ring"],
-                cache["gate_ring"],
-                cache["pages"],
+            cache["state"][ring], cache["kv"][kv_page] = self._compress(
+                cache["state"][ring],
+                cache["kv"][kv_page],
                 pr["a"],
                 pr["g"],
                 p["compressor"],
@@ -434,10 +346,9 @@ class V4PagedModel(PagedModel):
                 act,
             )
             if sparse:
-                cache["index_kv_ring"], cache["index_gate_ring"], cache["index_pages"] = self._compress(
-                    cache["index_kv_ring"],
-                    cache["index_gate_ring"],
-                    cache["index_pages"],
+                cache["state"][index_ring], cache["ik"][ik_page] = self._compress(
+                    cache["state"][index_ring],
+                    cache["ik"][ik_page],
                     pr["ia"],
                     pr["ig"],
                     p["indexer"]["compressor"],
@@ -452,14 +363,17 @@ class V4PagedModel(PagedModel):
             state = pw.attend_dense(t["q"], self.window.decode(t["items"], act), t["present"], scale=scale)
             if sparse:
                 state = pw.merge_softmax(
-                    state, self._sparse_part(t["q"], t["qi"], t["w"], cache, spec, m, act)
+                    state,
+                    self._sparse_part(
+                        t["q"], t["qi"], t["w"], cache["kv"][kv_page], cache["ik"][ik_page], spec, m, act
+                    ),
                 )
             elif compressed:
                 state = pw.merge_softmax(
                     state,
                     pw.paged_attend_all(
                         t["q"],
-                        cache["pages"],
+                        cache["kv"][kv_page],
                         m,
                         ratio=spec.ratio,
                         block_size=self.block_size,
@@ -497,13 +411,11 @@ class V4PagedModel(PagedModel):
             )[0]
             return hc_expand(streams, f, mix.post, mix.comb)
 
-        streams = rowwise(finish, tile, streams, attn, pr["post"], pr["comb"], token_ids, cos, sin)
-        return streams, cache
+        return rowwise(finish, tile, streams, attn, pr["post"], pr["comb"], token_ids, cos, sin)
 
     def _compress(
         self,
-        kv_ring: jax.Array,
-        gate_ring: jax.Array,
+        rings: tuple[jax.Array, jax.Array],
         pages: jax.Array,
         kv: jax.Array,
         gate: jax.Array,
@@ -512,7 +424,7 @@ class V4PagedModel(PagedModel):
         meta: RaggedMeta,
         store: KeyStore,
         act: Any,
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
         """Emit this step's complete entries of one compressor into ``pages``; advance its projection rings.
 
         ``kv``/``gate`` ``[T, F]`` are the step's float32 projections (gate without ``ape``). Only the tokens
@@ -523,6 +435,7 @@ class V4PagedModel(PagedModel):
         rotated by the compress RoPE to the window's first position and stored in ``store``'s format.
         """
         ratio = spec.ratio
+        kv_ring, gate_ring = rings
         depth, feats = kv_ring.shape[1], kv_ring.shape[2]
         width = feats // 2 if spec.kind == CSA else feats
         emitters = pw.emitting_tokens(meta, ratio)  # [E]
@@ -544,15 +457,16 @@ class V4PagedModel(PagedModel):
         _, _, blocks, offsets = compressed_slots(meta, ratio, self.block_size, pages.shape[0])
         target = blocks.at[emitters].get(mode="fill", fill_value=pages.shape[0])
         pages = write_entries(pages, entries, target, offsets.at[emitters].get(mode="fill", fill_value=0))
-        kv_ring, gate_ring = ring_write((kv_ring, gate_ring), (kv, gate), meta, after=(hk, hg))
-        return kv_ring, gate_ring, pages
+        rings = ring_write((kv_ring, gate_ring), (kv, gate), meta, after=(hk, hg))
+        return rings, pages
 
     def _sparse_part(
         self,
         q: jax.Array,
         qi: jax.Array,
         weights: jax.Array,
-        cache: dict[str, jax.Array],
+        pages: jax.Array,
+        index_pages: jax.Array,
         spec: AttentionSpec,
         meta: RaggedMeta,
         act: Any,
@@ -570,7 +484,7 @@ class V4PagedModel(PagedModel):
             return score_op(qi[:, None], keys, weights[:, None])[:, 0]
 
         scores = pw.paged_scores(
-            cache["index_pages"],
+            index_pages,
             meta,
             score,
             ratio=spec.ratio,
@@ -579,6 +493,17 @@ class V4PagedModel(PagedModel):
             chunk=self.walk_chunk,
         )
         index = pw.topk_entries(scores, spec.index_topk)
-        stored = gather_entries(cache["pages"], meta, index, spec.ratio, self.block_size)
+        stored = gather_entries(pages, meta, index, spec.ratio, self.block_size)
         keys = self.compressed.decode(stored, act)
         return pw.attend_dense(q, keys, index >= 0, scale=spec.head_dim**-0.5)
+
+
+def cache_storage(dtype: str, kv_cache_dtype: str = "auto") -> str:
+    """The key storage for precision ``dtype`` and the ``kv_cache_dtype`` setting (``ValueError`` naming the
+    value and the choices)."""
+    return key_cache_storage("deepseek_v4", dtype, kv_cache_dtype)
+
+
+def paged_model(model: Any, *, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> V4PagedModel:
+    """The engine's view of a loaded V4 model (``load_model``'s result)."""
+    return V4PagedModel.create(model, block_size=block_size, dtype=dtype, cache_dtype=kv_cache_dtype)

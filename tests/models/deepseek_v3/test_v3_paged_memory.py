@@ -18,11 +18,11 @@ import pytest
 from deepinfer_jax.cache.paged import paged_mla_attention
 from deepinfer_jax.config import load_model_config
 from deepinfer_jax.config.model import ModelConfig
-from deepinfer_jax.engine.paged_v3 import PagedMeta, paged_decoder_layer
 from deepinfer_jax.models.deepseek_v3 import model as v3_model
+from deepinfer_jax.models.deepseek_v3.paged import PagedMeta, paged_decoder_layer
 from deepinfer_jax.models.deepseek_v3.weights import assemble_params, expected_tensors
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 BATCH, CONTEXT, BLOCK = 64, 32768, 128
 MIB = 1 << 20
 

@@ -22,11 +22,11 @@ import pytest
 from deepinfer_jax.cache.ragged import make_meta
 from deepinfer_jax.config import load_model_config
 from deepinfer_jax.config.model import ModelConfig
-from deepinfer_jax.engine.paged_v41 import V41PagedModel
 from deepinfer_jax.models.deepseek_v4 import family_v41
+from deepinfer_jax.models.deepseek_v4.paged_v41 import V41PagedModel
 from deepinfer_jax.models.deepseek_v4.v41_params import assemble_params, expected_tensors
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 BATCH, CONTEXT, BLOCK, LAYER = 64, 128 * 1024, 128, 2
 MIB = 1 << 20
 
@@ -110,10 +110,10 @@ def test_real_shape_decode_attention_and_layer_temp_memory(real):
     lp, spec = model.layers[LAYER], model.static.attention[LAYER]
 
     def attention(p, streams, pre, cache, *meta_args):
-        from deepinfer_jax.engine.paged_v41 import _StepCross
+        from deepinfer_jax.models.deepseek_v4.paged_v41 import _StepCross
 
         meta = make_meta(*meta_args)
-        cache = {k: list(v) if isinstance(v, tuple) else v for k, v in cache.items()}
+        cache = {name: list(getattr(cache, name)) for name in ("window", "kv", "ik", "state")}
         out, pre, _, cache = model._attention_sublayer(
             p, lp, spec, streams, pre, _StepCross(), cache, meta, None
         )

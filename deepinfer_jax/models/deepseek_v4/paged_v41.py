@@ -61,9 +61,10 @@ from deepinfer_jax.cache.ragged import (
     gather_entries,
     history,
     ring_write,
+    rowwise_meta,
     write_entries,
 )
-from deepinfer_jax.engine.paged_model import CacheLayout, PagedModel, rowwise, rowwise_meta, zeros
+from deepinfer_jax.cache.stores import CompressedCache, KeyStore, key_cache_storage, key_store
 from deepinfer_jax.models.common.embedding import embed_tokens, lm_head
 from deepinfer_jax.models.common.linear import LinearNumerics, linear
 from deepinfer_jax.models.deepseek_v4 import family_v41
@@ -82,68 +83,15 @@ from deepinfer_jax.models.deepseek_v4.v41_compressor import (
     restrict_to_candidates,
 )
 from deepinfer_jax.models.deepseek_v4.v41_model import V41Static, moe_layer
-from deepinfer_jax.numerics.activation import kv_cast
-from deepinfer_jax.numerics.formats import (
-    RecordFormat,
-    compressed_record_format,
-    indexer_record_format,
-    window_record_format,
-)
-from deepinfer_jax.numerics.kv_records import decode_records, encode_records
+from deepinfer_jax.models.paged import CacheLayout, PagedModel
 from deepinfer_jax.ops import apply_rope, rms_norm, rope_cos_sin
 from deepinfer_jax.ops import get as get_op
+from deepinfer_jax.ops.tiling import rowwise
 
-__all__ = ["V41PagedModel"]
+__all__ = ["V41PagedModel", "cache_storage", "paged_model"]
 
 Params = Mapping[str, Any]
-_CACHE_DTYPES = ("float32", "bfloat16")
 _MODES = ("float32", "bfloat16")
-
-
-# ------------------------------------------------------------------------------------------- storage
-
-
-@dataclasses.dataclass(frozen=True)
-class _Store:
-    """How one kind of key is kept: unquantised float32 values, or encoded records of a production format.
-
-    ``get`` decodes exactly what ``put`` stored, and every reader goes through it (:meth:`store`).
-    """
-
-    width: int
-    fmt: RecordFormat | None
-
-    @property
-    def item_shape(self) -> tuple[int, ...]:
-        return (self.width,) if self.fmt is None else (self.fmt.record_bytes,)
-
-    @property
-    def item_dtype(self) -> Any:
-        return jnp.float32 if self.fmt is None else jnp.uint8
-
-    @property
-    def item_bytes(self) -> int:
-        return self.width * 4 if self.fmt is None else self.fmt.record_bytes
-
-    def put(self, values: jax.Array) -> jax.Array:
-        if self.fmt is None:
-            return values.astype(jnp.float32)
-        return encode_records(values.astype(jnp.float32), self.fmt)
-
-    def get(self, stored: jax.Array, dtype: Any) -> jax.Array:
-        if self.fmt is None:
-            return stored.astype(dtype)
-        return decode_records(stored, self.fmt, dtype=dtype)
-
-    def store(self, values: jax.Array, cast: str) -> jax.Array:
-        """What to store for new keys ``values``; every reader, the writing step included, reads it back with
-        :meth:`get`.
-
-        Unquantised storage keeps the model's own cast of the keys (``cast``; ``"none"`` in parity mode).
-        Records are encoded from ``values`` once: the record format *is* the production cast, so a key read
-        back in a later step equals the one the writing step attended to, bit for bit.
-        """
-        return self.put(values if self.fmt is not None else kv_cast(values, cast).astype(values.dtype))
 
 
 # ------------------------------------------------------------------------------------- per-step cross
@@ -165,14 +113,6 @@ class _StepCross(NamedTuple):
     pre_rope: jax.Array | None = None
     selection: jax.Array | None = None
     candidates: jax.Array | None = None
-
-
-def _describe(store: _Store) -> str:
-    """A record format in words, e.g. ``"e2m1 + e4m3 scales per 16"``."""
-    fmt = store.fmt
-    if fmt is None:
-        return "float32"
-    return f"{fmt.element} + {fmt.scale} scales per {fmt.group_size}"
 
 
 def _at(values: jax.Array, index: jax.Array, fill: Any = 0) -> jax.Array:
@@ -222,10 +162,7 @@ class V41PagedModel(PagedModel):
         """
         if dtype not in _MODES:
             raise ValueError(f"dtype: {dtype!r} is not a precision mode; expected one of {_MODES}")
-        if cache_dtype not in _CACHE_DTYPES:
-            raise ValueError(
-                f"cache_dtype: {cache_dtype!r} is not supported; expected one of {_CACHE_DTYPES}"
-            )
+        cache_dtype = key_cache_storage("deepseek_v41", dtype, cache_dtype)
         cfg = model.config
         mode = family_v41.precision_mode(model.params)
         if mode != dtype:
@@ -291,16 +228,25 @@ class V41PagedModel(PagedModel):
     def production(self) -> bool:
         return self.cache_dtype == "bfloat16"
 
-    def window_store(self) -> _Store:
-        return _Store(self.head_dim, window_record_format(self.head_dim) if self.production else None)
+    def _store(self, kind: str, width: int, cast: str) -> KeyStore:
+        # Unquantised keys are kept in float32 in both modes; the mode's own round trip is applied before.
+        return key_store(kind, width, self.cache_dtype, dtype="float32", cast=cast, use_fp4=self.use_fp4)
 
-    def compressed_store(self) -> _Store:
-        fmt = compressed_record_format(self.head_dim, use_fp4=self.use_fp4) if self.production else None
-        return _Store(self.head_dim, fmt)
+    @functools.cached_property
+    def window_store(self) -> KeyStore:
+        return self._store("window", self.head_dim, self.static.casts.window_keys)
 
-    def indexer_store(self) -> _Store:
-        fmt = indexer_record_format(self.index_head_dim) if self.production and self.index_k_sources else None
-        return _Store(self.index_head_dim, fmt)
+    @functools.cached_property
+    def compressed_store(self) -> KeyStore:
+        return self._store("compressed", self.head_dim, self.static.casts.compressed_keys)
+
+    @functools.cached_property
+    def indexer_store(self) -> KeyStore:
+        if (
+            not self.index_k_sources
+        ):  # a model without indexer keys stores none; the placeholder is never read
+            return KeyStore(self.index_head_dim, "float32")
+        return self._store("indexer", self.index_head_dim, self.static.casts.indexer)
 
     def _ratio(self, layer: int) -> int:
         return self.layers[layer].ratio
@@ -308,7 +254,7 @@ class V41PagedModel(PagedModel):
     # ---------------------------------------------------------------------------------- memory plan
 
     def layout(self) -> CacheLayout:
-        wnd, cmp, idx = self.window_store(), self.compressed_store(), self.indexer_store()
+        wnd, cmp, idx = self.window_store, self.compressed_store, self.indexer_store
         kv_block = sum((self.block_size // self._ratio(s)) * cmp.item_bytes for s in self.kv_sources)
         ik_block = sum((self.block_size // self._ratio(s)) * idx.item_bytes for s in self.index_k_sources)
         num_layers = len(self.layers)
@@ -316,8 +262,8 @@ class V41PagedModel(PagedModel):
         pending_slot = sum(2 * self._ratio(s) * self.head_dim * 4 for s in self.pending_sources)
         engram_slot = self.engram_depth * 4
         if self.production:
-            kinds = [f"window {_describe(wnd)}", f"compressed {_describe(cmp)}"]
-            kinds += [f"indexer {_describe(idx)}"] if self.index_k_sources else []
+            kinds = [f"window {wnd.describe()}", f"compressed {cmp.describe()}"]
+            kinds += [f"indexer {idx.describe()}"] if self.index_k_sources else []
             dtype = f"records ({', '.join(kinds)})"
         else:
             dtype = "float32"
@@ -327,14 +273,14 @@ class V41PagedModel(PagedModel):
             return f"{len(layers)} owning layer(s) {list(layers)}, ratio(s) {ratios}"
 
         lines = [
-            f"window ring: {self.window} positions x {wnd.item_bytes} B ({_describe(wnd)}, {self.head_dim} values) per layer, "
+            f"window ring: {self.window} positions x {wnd.item_bytes} B ({wnd.describe()}, {self.head_dim} values) per layer, "
             f"{num_layers} layers (every layer owns its window) = {window_slot} B per slot",
-            f"compressed keys: {cmp.item_bytes} B per entry ({_describe(cmp)}, {self.head_dim} values), block / ratio entries per "
+            f"compressed keys: {cmp.item_bytes} B per entry ({cmp.describe()}, {self.head_dim} values), block / ratio entries per "
             f"page, {owners(self.kv_sources)} (consumers alias them) = {kv_block} B per block",
         ]
         if self.index_k_sources:
             lines.append(
-                f"indexer keys: {idx.item_bytes} B per entry ({_describe(idx)}, {self.index_head_dim} values), "
+                f"indexer keys: {idx.item_bytes} B per entry ({idx.describe()}, {self.index_head_dim} values), "
                 f"{owners(self.index_k_sources)} = {ik_block} B per block"
             )
         if self.pending_sources:
@@ -357,31 +303,22 @@ class V41PagedModel(PagedModel):
 
     # ---------------------------------------------------------------------------------------- cache
 
-    def init_cache(self, num_blocks: int, num_slots: int, sharding: Any = None) -> dict[str, Any]:
+    def init_cache(self, num_blocks: int, num_slots: int) -> CompressedCache:
         """Zeroed caches: window rings, compressed / indexer pages, C2 pending rings, Engram history."""
-        wnd, cmp, idx = self.window_store(), self.compressed_store(), self.indexer_store()
+        wnd, cmp, idx = self.window_store, self.compressed_store, self.indexer_store
 
-        def pages(store: _Store, layer: int) -> jax.Array:
-            shape = (num_blocks, self.block_size // self._ratio(layer), *store.item_shape)
-            return zeros(shape, store.item_dtype, sharding)
+        def pending(layer: int) -> tuple[jax.Array, jax.Array]:
+            return tuple(
+                jnp.zeros((num_slots, self._ratio(layer), self.head_dim), jnp.float32) for _ in range(2)
+            )
 
-        cache: dict[str, Any] = {
-            "window": tuple(
-                zeros((num_slots, self.window, *wnd.item_shape), wnd.item_dtype, sharding)
-                for _ in self.layers
-            ),
-            "kv": tuple(pages(cmp, s) for s in self.kv_sources),
-            "ik": tuple(pages(idx, s) for s in self.index_k_sources),
-            "pending": tuple(
-                tuple(
-                    zeros((num_slots, self._ratio(s), self.head_dim), jnp.float32, sharding) for _ in range(2)
-                )
-                for s in self.pending_sources
-            ),
-        }
-        if self.engram_depth:
-            cache["engram"] = zeros((num_slots, self.engram_depth), jnp.int32, sharding)
-        return cache
+        return CompressedCache(
+            window=tuple(wnd.zeros(num_slots, self.window) for _ in self.layers),
+            kv=tuple(cmp.zeros(num_blocks, self.block_size // self._ratio(s)) for s in self.kv_sources),
+            ik=tuple(idx.zeros(num_blocks, self.block_size // self._ratio(s)) for s in self.index_k_sources),
+            state=tuple(pending(s) for s in self.pending_sources),
+            engram=jnp.zeros((num_slots, self.engram_depth), jnp.int32) if self.engram_depth else None,
+        )
 
     # -------------------------------------------------------------------------------------- forward
 
@@ -400,11 +337,8 @@ class V41PagedModel(PagedModel):
         st = self.static
         if len(params["layers"]) != len(self.layers):
             raise ValueError(f"params: {len(params['layers'])} layers, the plan has {len(self.layers)}")
-        cache = dict(cache)
-        cache["window"] = list(cache["window"])
-        cache["kv"] = list(cache["kv"])
-        cache["ik"] = list(cache["ik"])
-        cache["pending"] = list(cache["pending"])
+        engram_ring = cache.engram
+        cache = {name: list(getattr(cache, name)) for name in ("window", "kv", "ik", "state")}
         tokens = meta.num_tokens
         m = st.hc_mult
         x = embed_tokens(params["embed"], token_ids, dtype=jnp.dtype(st.dtype))
@@ -412,7 +346,7 @@ class V41PagedModel(PagedModel):
         carried_pre = jnp.broadcast_to(jax.nn.one_hot(0, m, dtype=jnp.float32), (tokens, m))
         grams = None
         if st.engram is not None:
-            grams, cache["engram"] = self._engram_ngrams(params, token_ids, cache["engram"], meta)
+            grams, engram_ring = self._engram_ngrams(params, token_ids, engram_ring, meta)
         cross = _StepCross()
         for lp, spec, p in zip(self.layers, st.attention, params["layers"], strict=True):
             if lp.has_engram:
@@ -440,11 +374,7 @@ class V41PagedModel(PagedModel):
             return lm_head(rms_norm(h, params["norm"], eps=st.eps), params["head"])
 
         logits = rowwise(head, tile, streams[last], carried_pre[last])
-        cache["window"] = tuple(cache["window"])
-        cache["kv"] = tuple(cache["kv"])
-        cache["ik"] = tuple(cache["ik"])
-        cache["pending"] = tuple(cache["pending"])
-        return logits, cache
+        return logits, CompressedCache(**{k: tuple(v) for k, v in cache.items()}, engram=engram_ring)
 
     # ---------------------------------------------------------------------------------------- Engram
 
@@ -519,12 +449,12 @@ class V41PagedModel(PagedModel):
             cross = cross._replace(shared_hidden=x_hat)
 
         # Window keys (§7.2): this step's keys, read back in the window format, then the row's last W stored.
-        wnd = self.window_store()
-        new = wnd.store(kv, spec.casts.window_keys)
+        wnd = self.window_store
+        new = wnd.encode(kv)
         ring = cache["window"][lp.layer]
         stored, present = history(ring, new, meta, spec.window)
         cache["window"][lp.layer] = ring_write(ring, new, meta, after=stored)
-        window_keys = wnd.get(stored, x_hat.dtype)  # [T, W, D]
+        window_keys = wnd.decode(stored, x_hat.dtype)  # [T, W, D]
 
         scale = spec.head_dim**-0.5
         # Batch-invariant mode runs the attention in fixed tiles too (rowwise_meta): its contractions are
@@ -600,11 +530,9 @@ class V41PagedModel(PagedModel):
                     )
                 u = cross.shared_hidden
             pre_rope = self._compress(p["attn"]["compressor"], lp, spec, u, emitted, cache, meta, tile)
-            cmp = self.compressed_store()
+            cmp = self.compressed_store
             keys = rowwise(
-                lambda pr, er: cmp.store(
-                    _rotate_at(pr, er, freqs, spec.rope_dim), spec.casts.compressed_keys
-                ),
+                lambda pr, er: cmp.encode(_rotate_at(pr, er, freqs, spec.rope_dim)),
                 tile,
                 pre_rope,
                 entry_rope,
@@ -636,7 +564,7 @@ class V41PagedModel(PagedModel):
 
             def indexer_entry(pr: jax.Array, er: jax.Array) -> jax.Array:
                 rotated = _rotate_at(project(pr), er, freqs, spec.rope_dim)
-                return self.indexer_store().store(rotated, spec.casts.indexer)
+                return self.indexer_store.encode(rotated)
 
             ki = rowwise(indexer_entry, tile, cross.pre_rope, entry_rope)
             slot = self.index_k_sources.index(lp.layer)
@@ -682,9 +610,9 @@ class V41PagedModel(PagedModel):
 
         a, g = rowwise(projections, tile, u)
         slot = self.pending_sources.index(lp.layer)
-        ring = cache["pending"][slot]
+        ring = cache["state"][slot]
         (pa, pg), _ = history(ring, (a, g), meta, lp.ratio, index=emitted)  # [E, r, D] each
-        cache["pending"][slot] = ring_write(ring, (a, g), meta, after=(pa, pg))
+        cache["state"][slot] = ring_write(ring, (a, g), meta, after=(pa, pg))
 
         def pool(pa: jax.Array, pg: jax.Array) -> jax.Array:
             c = get_op("v4_compressor_pool")(pa, pg).astype(u.dtype)
@@ -714,13 +642,13 @@ class V41PagedModel(PagedModel):
         """Sink attention over the window plus the selected (or, without an indexer, all visible) entries."""
         ratio = spec.ratio
         a = p["attn"]
-        cmp = self.compressed_store()
+        cmp = self.compressed_store
         kv_pages = cache["kv"][self.kv_sources.index(lp.kv_source)]
         scale = spec.head_dim**-0.5
         if not lp.uses_indexer:
             # index_topk = 0: every visible compressed key, one page at a time, merged with the window.
             def body(i: Any, entries: jax.Array, index: jax.Array, visible: jax.Array, state: Any) -> Any:
-                keys = cmp.get(entries, x_hat.dtype)
+                keys = cmp.decode(entries, x_hat.dtype)
                 return merge_softmax(state, attend_dense(q, keys, visible, scale=scale))
 
             state = attend_dense(q, window_keys, window_present, scale=scale)
@@ -732,7 +660,7 @@ class V41PagedModel(PagedModel):
         if cross.selection is None:
             raise ValueError(f"layer {lp.layer}: no top-k selection from layer {lp.index_source} this step")
         index = cross.selection  # [T, k]
-        keys = cmp.get(gather_entries(kv_pages, meta, index, ratio, self.block_size), x_hat.dtype)
+        keys = cmp.decode(gather_entries(kv_pages, meta, index, ratio, self.block_size), x_hat.dtype)
         keys = jnp.concatenate([window_keys, keys.astype(window_keys.dtype)], axis=1)
         mask = jnp.concatenate([window_present, (index >= 0) & meta.valid[:, None]], axis=1)
         out = get_op("v4_sink_attention")(q[:, None], keys, mask[:, None], a["sinks"], scale=scale)[:, 0]
@@ -771,12 +699,12 @@ class V41PagedModel(PagedModel):
             return qi[0], wi[0]
 
         qi, wi = rowwise(query, tile, q_latent, x_hat, meta.positions)  # [T, Hi, Di], [T, Hi]
-        idx = self.indexer_store()
+        idx = self.indexer_store
         pages = cache["ik"][self.index_k_sources.index(lp.index_k_source)]
         score_dtype = jnp.dtype(spec.score_dtype)
 
         def score(entries: jax.Array) -> jax.Array:
-            keys = idx.get(entries, qi.dtype)  # [T, E, Di]
+            keys = idx.decode(entries, qi.dtype)  # [T, E, Di]
             return indexer_scores(qi[:, None], keys, wi[:, None], score_dtype=score_dtype)[:, 0]
 
         scores = paged_scores(pages, meta, score, ratio=ratio, block_size=self.block_size, dtype=score_dtype)
@@ -802,3 +730,14 @@ class V41PagedModel(PagedModel):
             )
             cross = cross._replace(candidates=cand)
         return cross
+
+
+def cache_storage(dtype: str, kv_cache_dtype: str = "auto") -> str:
+    """The key storage for precision ``dtype`` and the ``kv_cache_dtype`` setting (``ValueError`` naming the
+    value and the choices)."""
+    return key_cache_storage("deepseek_v41", dtype, kv_cache_dtype)
+
+
+def paged_model(model: Any, *, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> V41PagedModel:
+    """The engine's view of a loaded V4.1 model (``load_model``'s result)."""
+    return V41PagedModel.create(model, block_size=block_size, dtype=dtype, cache_dtype=kv_cache_dtype)
