@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from _bench_settings import ENGINE_FIELDS

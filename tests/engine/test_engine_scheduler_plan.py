@@ -139,7 +139,8 @@ def test_one_plan_for_every_device_with_placeholders() -> None:
     plan = sched.schedule()
     assert plan is not None and plan.num_devices == 3 and plan.num_placeholders == 1
     plan.validate(block_size=4)
-    assert plan.bucket == (16, 2)  # device 0's 9 tokens need the 16-token bucket; device 1's 2 alone would not
+    # Device 0's 9 tokens need the 16-token bucket; device 1's 2 alone would not.
+    assert plan.bucket == (16, 2)
     assert (plan.num_logprobs, plan.num_prompt_logprobs) == (5, 5)  # compiled widths 0, 5, 20
     x = plan.inputs
     assert x.token_ids.shape == (3, 16) and x.block_tables.shape == (3, 2, plan.max_blocks_per_seq)

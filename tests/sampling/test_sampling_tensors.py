@@ -168,7 +168,9 @@ def test_rows_can_be_placed_anywhere_among_the_padding():
     """``row_index``: the engine builds one tensor set for every device's rows at their places (device d's rows
     start at d * S); the rows not named are padding, and errors name the entry of ``params_list``."""
     hot = SamplingParams(temperature=0.7, top_k=3, min_tokens=2, stop_token_ids=[9])
-    st = SamplingTensors.build([hot, hot], [5, 6], [4, 7], 16, num_rows=6, row_index=[1, 4], eos_token_ids=[2])
+    st = SamplingTensors.build(
+        [hot, hot], [5, 6], [4, 7], 16, num_rows=6, row_index=[1, 4], eos_token_ids=[2]
+    )
     np.testing.assert_array_equal(st.temperature, np.float32([0, 0.7, 0, 0, 0.7, 0]))
     np.testing.assert_array_equal(st.top_k, [16, 3, 16, 16, 3, 16])
     np.testing.assert_array_equal(st.position, [0, 4, 0, 0, 7, 0])

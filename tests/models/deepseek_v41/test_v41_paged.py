@@ -196,7 +196,10 @@ def test_production_layout_uses_the_record_formats(model):
     cache = paged.init_cache(4, 2)
     assert sum(x.nbytes for x in jax.tree.leaves(cache) if x.shape[0] == 4) == 4 * lay.bytes_per_block
     plan = plan_memory(lay, 10 * lay.bytes_per_block + 2 * lay.bytes_per_slot, num_slots=2)
-    assert plan.spec.num_blocks == 10 and "records (window MXFP8 (e4m3 + ue8m0 scales per 32) 132 B" in plan.describe()
+    assert (
+        plan.spec.num_blocks == 10
+        and "records (window MXFP8 (e4m3 + ue8m0 scales per 32) 132 B" in plan.describe()
+    )
 
 
 def test_bad_arguments_are_refused(model):
