@@ -6,7 +6,15 @@ See ``docs/ops.md``.
 """
 
 import custom_calls.cutedsl as _cutedsl
-from deepinfer_jax.ops import gemm, grouped_gemm, moe_kernels, swiglu  # noqa: F401  (registers the ops)
+from deepinfer_jax.ops import (  # noqa: F401  (registers the ops)
+    gemm,
+    grouped_gemm,
+    indexer,
+    kv_store,
+    moe_kernels,
+    sparse_attention,
+    swiglu,
+)
 from deepinfer_jax.ops.registry import (
     AUTO,
     KNOWN_BACKENDS,
