@@ -213,6 +213,8 @@ def v4_sparse_attention(
 ) -> jax.Array:
     """Op ``"v4_sparse_attention"`` (signature of ``deepinfer_jax.ops.sparse_attention.v4_sparse_attention``)."""
     tokens = q.shape[0]
+    if tokens == 0:
+        return jnp.zeros(q.shape, q.dtype)
     segs = [Segment(window.reshape(tokens * window.shape[1], -1), _window_ids(window_mask), window_format)]
     if pages is not None and slots is not None and slots.shape[1]:
         segs.append(Segment(pages.reshape(-1, pages.shape[-1]), slots, compressed_format))

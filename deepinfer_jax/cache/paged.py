@@ -312,30 +312,43 @@ def slot_mapping(
 
 
 def write_tokens(
-    cache: jax.Array, layer: int, entries: jax.Array, blocks: jax.Array, offsets: jax.Array
+    cache: jax.Array,
+    layer: int,
+    entries: jax.Array,
+    blocks: jax.Array,
+    offsets: jax.Array,
+    *,
+    kv_rank: int | None = None,
 ) -> jax.Array:
     """``cache`` with ``entries [T, C + R]`` written at ``(layer, blocks[t], offsets[t])``.
 
     Tokens whose block is out of range (padding, see :func:`slot_mapping`) are dropped. Under ``jax.jit`` with
-    the cache donated this is an in-place scatter. An FP8 latent cache (``uint8``) stores the encoded records
-    (the kv rank is told by the record width and the entry width).
+    the cache donated this is an in-place scatter. An FP8 latent cache (``uint8``) stores the encoded records;
+    it needs the latent width ``kv_rank`` unless the record width tells it unambiguously (it does not when
+    ``C`` is a multiple of 128 and ``C + 4`` would fit the same record, e.g. DeepSeek-V3's 512 + 64).
     """
     if cache.dtype == jnp.uint8:
-        entries = encode_latent_fp8(entries, _fp8_kv_rank(cache.shape[-1], entries.shape[-1]))
+        c = kv_rank if kv_rank is not None else _fp8_kv_rank(cache.shape[-1], entries.shape[-1])
+        if fp8_latent_record_bytes(c, entries.shape[-1] - c) != cache.shape[-1]:
+            raise ValueError(
+                f"write_tokens: FP8 latent records of {c} + {entries.shape[-1] - c} values have "
+                f"{fp8_latent_record_bytes(c, entries.shape[-1] - c)} bytes, the cache has {cache.shape[-1]}"
+            )
+        entries = encode_latent_fp8(entries, c)
     return cache.at[layer, blocks, offsets].set(entries.astype(cache.dtype), mode="drop")
 
 
 def _fp8_kv_rank(record_width: int, width: int) -> int:
     """The latent width ``C`` of FP8 latent records of ``record_width`` bytes holding ``width = C + R`` values.
 
-    Unique for every shape but a few (``C`` within 3 of a multiple of 128 may share a record width with
-    another split): those are refused rather than guessed.
+    Not unique when ``C`` is a multiple of 128 (``C`` and ``C + 4`` give the same record width): such widths
+    are refused rather than guessed, and the caller passes ``kv_rank``.
     """
     found = [c for c in range(1, width + 1) if fp8_latent_record_bytes(c, width - c) == record_width]
     if len(found) != 1:
         raise ValueError(
             f"cannot tell the latent width of {width}-value entries from FP8 latent records of {record_width} "
-            f"bytes (candidates {found})"
+            f"bytes (candidates {found}); pass kv_rank="
         )
     return found[0]
 

@@ -189,6 +189,9 @@ def v4_indexer_topk(
       candidates, candidate_block_size: the candidate-block mask ``[T, NB]`` of a candidate consumer (§7.6).
       chunk_pages: block-table columns scored per step (default: about 2048 entries).
     """
+    q, weights, pages, block_tables, rows, limit = (
+        jnp.asarray(a) for a in (q, weights, pages, block_tables, rows, limit)
+    )
     _check(q, weights, pages, block_tables, rows, limit, k)
     if (candidates is None) != (candidate_block_size is None):
         raise ValueError("v4_indexer_topk: candidates and candidate_block_size go together")

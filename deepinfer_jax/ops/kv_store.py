@@ -66,7 +66,7 @@ def kv_store_records(
     pages: jax.Array, values: jax.Array, slots: jax.Array, *, key_format: str | None
 ) -> jax.Array:
     """``pages`` with ``values [N, D]`` encoded (module docstring) at flat rows ``slots [N]`` (``-1`` = skip)."""
-    values = jnp.asarray(values)
+    pages, values, slots = jnp.asarray(pages), jnp.asarray(values), jnp.asarray(slots)
     if values.ndim != 2 or slots.shape != values.shape[:1]:
         raise ValueError(
             f"kv_store_records: values [N, D] and slots [N] expected, got {values.shape}, {slots.shape}"
@@ -96,6 +96,7 @@ def v4_compress_store(
     entry_dtype: Any = jnp.bfloat16,
 ) -> tuple[jax.Array, jax.Array]:
     """Compress-and-store (module docstring): ``(pages with the new entries, P [N, D] in entry_dtype)``."""
+    pages, kv, gate, cos, sin, slots = (jnp.asarray(a) for a in (pages, kv, gate, cos, sin, slots))
     if kv.ndim != 3 or gate.shape != kv.shape:
         raise ValueError(f"v4_compress_store: kv and gate must be [N, S, D], got {kv.shape} and {gate.shape}")
     n, _, dim = kv.shape

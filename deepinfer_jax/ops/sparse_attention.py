@@ -133,6 +133,9 @@ def v4_sparse_attention(
       scale: the softmax scale.
       window_format, compressed_format: the storage formats (module docstring).
     """
+    q, window, window_mask, sinks = (jnp.asarray(a) for a in (q, window, window_mask, sinks))
+    pages = None if pages is None else jnp.asarray(pages)
+    slots = None if slots is None else jnp.asarray(slots)
     _check(q, window, window_mask, sinks, pages, slots, window_format, compressed_format)
     dim = q.shape[-1]
     keys = decode_keys(window, window_format, dim)
