@@ -236,3 +236,14 @@ def test_info_prints_the_resolved_selection():
     want = resolve_selection(OpsConfig(backend="pallas_gpu"), platform="gpu").as_dict()
     assert report == want
     assert report["selected"]["fp8_block_linear"]["backend"] == "pallas_gpu"
+
+
+def test_every_project_kernel_can_be_interpreted_under_strict():
+    import deepinfer_jax.models.common.moe  # noqa: F401  (registers moe_experts)
+    import deepinfer_jax.models.deepseek_v4.mhc  # noqa: F401  (registers mhc_sinkhorn)
+
+    cfg = types.SimpleNamespace(backend="pallas_gpu", overrides={}, strict=True, interpret=True)
+    sel = resolve_selection(cfg, platform="cpu")  # raises if any Pallas implementation could not be interpreted
+    assert {"mhc_sinkhorn", "moe_experts", "paged_mla_attention", "v4_sparse_attention"} <= {
+        op for op, be in sel.backends().items() if be == "pallas_gpu"
+    }
