@@ -4,6 +4,7 @@ context that makes model code follow it, and `deepinfer-jax info` printing the s
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import types
 
@@ -239,11 +240,18 @@ def test_info_prints_the_resolved_selection():
 
 
 def test_every_project_kernel_can_be_interpreted_under_strict():
-    import deepinfer_jax.models.common.moe  # noqa: F401  (registers moe_experts)
-    import deepinfer_jax.models.deepseek_v4.mhc  # noqa: F401  (registers mhc_sinkhorn)
+    # the definition sites of paged_mla_attention, moe_experts and mhc_sinkhorn register them
+    for module in (
+        "deepinfer_jax.cache.paged",
+        "deepinfer_jax.models.common.moe",
+        "deepinfer_jax.models.deepseek_v4.mhc",
+    ):
+        importlib.import_module(module)
 
     cfg = types.SimpleNamespace(backend="pallas_gpu", overrides={}, strict=True, interpret=True)
-    sel = resolve_selection(cfg, platform="cpu")  # raises if any Pallas implementation could not be interpreted
+    sel = resolve_selection(
+        cfg, platform="cpu"
+    )  # raises if any Pallas implementation could not be interpreted
     assert {"mhc_sinkhorn", "moe_experts", "paged_mla_attention", "v4_sparse_attention"} <= {
         op for op, be in sel.backends().items() if be == "pallas_gpu"
     }
