@@ -74,9 +74,8 @@ def dot_pv(p: jax.Array, v: jax.Array, compute_dtype: Any) -> jax.Array:
     )
 
 
-@dataclasses.dataclass
 class OnlineSoftmax:
-    """The running softmax of one head tile (a pytree-free helper: kernels carry its three parts)."""
+    """The running softmax of one head tile: ``(peak [H], total [H], acc chunks [H, d_i])``, carried by kernels."""
 
     @staticmethod
     def init(heads: int, widths: tuple[int, ...]) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:

@@ -40,7 +40,8 @@ def _decode_kernel(rec_ref: Any, o_ref: Any, *, layout: RecordLayout, rows: int,
     nbytes = rec_ref.shape[1]
 
     def load(byte_cols: jax.Array) -> jax.Array:
-        return rec_ref[rr, jnp.clip(byte_cols, 0, nbytes - 1)].astype(jnp.int32)
+        v = rec_ref[rr, jnp.clip(byte_cols, 0, nbytes - 1)]
+        return v if layout.kind == "float" else v.astype(jnp.int32)
 
     values = decode_bytes(load, layout, cc)
     rok, cok = (r < rows)[:, None], cols < total

@@ -59,6 +59,19 @@ def test_decode_is_bit_exact_on_every_code(kind):
     assert np.isnan(want).any() and (want == 0).any()  # the NaN and zero cases were exercised
 
 
+def test_fp8_latent_and_float_records_decode_like_the_cache():
+    from deepinfer_jax.cache import paged
+
+    rng = np.random.default_rng(4)
+    c, r = 200, 16  # two scale groups, the second one short
+    vals = (rng.standard_normal((9, c + r)) * np.exp2(rng.integers(-6, 6, (9, 1)))).astype(np.float32)
+    rec = paged.encode_latent_fp8(jnp.asarray(vals), c)
+    want = np.asarray(paged.decode_latent_fp8(rec, c, r))
+    got = np.asarray(decode_records(rec, "fp8_latent", c, rope=r, interpret=True))
+    assert _same_bits(want, got).all()
+    np.testing.assert_array_equal(np.asarray(decode_records(vals, None, c + r, interpret=True)), vals)
+
+
 def _encode_cases(rng: np.random.Generator, d: int = 64) -> np.ndarray:
     wide = rng.standard_normal((24, d)) * np.exp2(rng.integers(-40, 40, (24, 1)))
     mids = np.array(
