@@ -321,6 +321,8 @@ class OpsConfig(Checked):
             :data:`OPS_BACKENDS`.
         overrides: per-op backend, ``{op_name: backend}``.
         strict: raise instead of falling back to the reference when a requested backend cannot run.
+        interpret: run the ``pallas_gpu`` kernels with the Pallas interpreter on any platform (CPU tests of a
+            model with the kernels selected; slow).
         batch_invariant: a request's numerics do not depend on the rest of the batch (fixed reduction orders).
         indexer_workspace_bytes: temporary-memory bound for chunking the sparse indexer's attention.
         kernel_cache_dir: where compiled kernels (Triton, CuteDSL) are cached; ``None`` = their default.
@@ -331,6 +333,7 @@ class OpsConfig(Checked):
     backend: str = "auto"
     overrides: Mapping[str, str] = field(default_factory=FrozenMapping)
     strict: bool = False
+    interpret: bool = False
     batch_invariant: bool = False
     indexer_workspace_bytes: int = 10 * _GIB
     kernel_cache_dir: str | None = None

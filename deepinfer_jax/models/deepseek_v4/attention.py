@@ -46,8 +46,9 @@ from deepinfer_jax.models.deepseek_v4.compressor import (
     visible_entries,
 )
 from deepinfer_jax.numerics.activation import CastPolicy, kv_cast
-from deepinfer_jax.ops import apply_rope, register_op, rms_norm, rope_cos_sin
+from deepinfer_jax.ops import apply_rope, register_impl, register_op, rms_norm, rope_cos_sin
 from deepinfer_jax.ops import get as get_op
+from deepinfer_jax.ops.ascend import ascend_impl
 
 __all__ = [
     "AttentionProjections",
@@ -153,6 +154,16 @@ register_op(
     "v4_sink_attention",
     sink_attention,
     doc="DeepSeek-V4 attention core: one shared K=V head, boolean mask, per-head sink logits",
+)
+register_impl(
+    "v4_sink_attention",
+    "pallas_gpu",
+    "pallas_kernels.sparse_attention:v4_sink_attention",
+    platforms=("gpu",),
+    reason="the Pallas Triton kernel needs the pallas_kernels package",
+)
+register_impl(
+    "v4_sink_attention", "ascend", ascend_impl("v4_sink_attention", sink_attention), platforms=("ascend",)
 )
 
 
