@@ -39,6 +39,7 @@ from deepinfer_jax.engine.scheduler import Scheduler
 from deepinfer_jax.engine.step import StepExecutor, state_bytes
 from deepinfer_jax.models import builtin
 from deepinfer_jax.models.registry import get_family
+from deepinfer_jax.ops.selection import resolve_selection
 from deepinfer_jax.parallel import distributed, mesh_from_config, shard_model_params, slot_expert_layers
 from deepinfer_jax.parallel.mesh import mesh_sizes
 from deepinfer_jax.parallel.model_parallel import place_on_mesh
@@ -334,6 +335,10 @@ class LLM:
             )
         self.config = config
         self.mesh = mesh
+        # Before any weight is read: ops.strict refuses a backend that cannot run here.
+        self.op_selection = resolve_selection(config.ops, platform=mesh.devices.flat[0].platform)
+        """Which implementation every op of the step runs (``ops.backend`` / ``ops.overrides`` / ``ops.strict``)."""
+        self.op_selection.log()
         self.model = _lay_out(
             _load_for(model_dir, dtype, mesh), mesh, extra=config.parallel.eplb_num_redundant_experts
         )
@@ -440,6 +445,7 @@ class LLM:
             max_blocks_per_seq=max_blocks,
             batch_invariant=self.batch_invariant,
             expert_counts=self.expert_balancer is not None,
+            selection=self.op_selection,
         )
         self.runner = EngineRunner(self.scheduler, self.executor, balancer=self.expert_balancer)
 

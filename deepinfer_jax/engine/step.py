@@ -44,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from deepinfer_jax.cache.ragged import make_meta
 from deepinfer_jax.engine.plan import StepInputs, StepPlan
 from deepinfer_jax.models.paged import PagedModel
+from deepinfer_jax.ops.selection import OpSelection, use_selection
 from deepinfer_jax.ops.tiling import BATCH_INVARIANT_TILE, token_scope
 from deepinfer_jax.parallel.manual import expert_count_layout, expert_counts, manual_params, param_specs
 from deepinfer_jax.parallel.mesh import ALL_AXES, mesh_sizes
@@ -256,6 +257,7 @@ def step(
     batch_invariant: bool = False,
     return_logits: bool = False,
     counts: bool = False,
+    selection: OpSelection | None = None,
 ) -> tuple[Any, StepState, StepOutput]:
     """One engine step on every device of ``mesh`` at once: :func:`device_step` inside one ``jax.shard_map``.
 
@@ -264,14 +266,17 @@ def step(
     routed-expert slots of :func:`~deepinfer_jax.parallel.shard_model_params`. The keyword arguments are static.
     With ``counts`` the output's ``expert_counts`` holds every device's rows per local slot, ``int32
     [dp * ep, Σ P / ep]`` (device ``d`` holds slots ``(d % ep) * P / ep`` onwards; padding tokens are not
-    routed, so not counted): one array, so reading a step's counts is one transfer.
+    routed, so not counted): one array, so reading a step's counts is one transfer. ``selection`` is the op
+    selection every registry call of the step follows (:mod:`deepinfer_jax.ops.selection`; ``None``: each op's
+    automatic choice).
     """
     _, ep = mesh_sizes(mesh)  # a (dp, ep) mesh, or a ValueError naming its axes
     layout = expert_count_layout(params, ep) if counts else ()
 
     def body(params: Any, cache: Any, state: Any, inputs: Any) -> tuple[Any, Any, Any]:
         one = jax.tree.map(lambda a: a[0], (cache, state, inputs))
-        with token_scope(one[2].token_seq < one[2].seq_slots.shape[0]) as scope:
+        valid = one[2].token_seq < one[2].seq_slots.shape[0]
+        with use_selection(selection), token_scope(valid) as scope:
             cache, state, out = device_step(
                 manual_params(params, mesh),
                 *one,
@@ -319,6 +324,8 @@ class StepExecutor:
       return_logits: every step also returns the sampled rows' logits (tests and debugging).
       batch_invariant: the batch-invariant mode of :func:`device_step`.
       expert_counts: every step also returns its per-layer expert counts (EPLB and ``moe_lb`` read them).
+      selection: the op selection the step is compiled under (``ops.backend`` / ``ops.overrides``,
+        :func:`~deepinfer_jax.ops.selection.resolve_selection`); ``None`` = every op's automatic choice.
 
     Attributes:
       compile_count: compilations done so far (one per variant used).
@@ -337,6 +344,7 @@ class StepExecutor:
         return_logits: bool = False,
         batch_invariant: bool = False,
         expert_counts: bool = False,
+        selection: OpSelection | None = None,
     ) -> None:
         if not isinstance(model, PagedModel):
             raise TypeError(f"model: expected a PagedModel, got {type(model).__name__}")
@@ -363,6 +371,7 @@ class StepExecutor:
             "batch_invariant": bool(batch_invariant),
             "return_logits": bool(return_logits),
             "counts": self.returns_expert_counts,
+            "selection": selection,
         }
         self._jitted = jax.jit(
             step,

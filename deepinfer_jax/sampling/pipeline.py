@@ -279,7 +279,7 @@ def sample(
     *,
     num_logprobs: int = 0,
     batch_invariant: bool = False,
-    backend: str = "auto",
+    backend: str | None = None,
 ) -> SampleOutput:
     """Sample one token per row. Jit-able; no host synchronisation.
 
@@ -290,7 +290,8 @@ def sample(
         slot), or ``None`` when no row uses a penalty (penalties are then skipped).
       num_logprobs: static ``n`` in ``[0, 20]``: how many top alternatives to report per row.
       batch_invariant: static; bitwise row results independent of ``S`` and of the row's place.
-      backend: which registered implementation of op ``"sample"`` to use (``"auto"``, ``"reference"``, ...).
+      backend: which registered implementation of op ``"sample"`` to use (``"auto"``, ``"reference"``, ...);
+        ``None`` follows the active op selection (:mod:`deepinfer_jax.ops.selection`), else ``"auto"``.
 
     Returns:
       :class:`SampleOutput`.

@@ -168,7 +168,7 @@ def test_construction_errors(tmp_path):
     with pytest.raises(ValueError, match=r"model\.vocab_size"):
         LLM("tiny-v3", **{"model.vocab_size": 4})
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        LLM("tiny-v3", kv_cache_dtype="quantized")
+        LLM("tiny-v3", kv_cache_dtype="fp4")
 
 
 def test_model_folder_without_tokenizer(tmp_path, llm):
