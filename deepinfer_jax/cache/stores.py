@@ -32,22 +32,26 @@ from deepinfer_jax.numerics.kv_records import decode_records, encode_records
 
 __all__ = ["KEY_CACHE_DTYPES", "CompressedCache", "KeyStore", "key_cache_storage", "key_store"]
 
-KEY_CACHE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
-"""``kv_cache_dtype`` values of V4 / V4.1 besides ``"auto"``: unquantised keys, or the production records."""
+KEY_CACHE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "quantized")
+"""``kv_cache_dtype`` values of V4 / V4.1 besides ``"auto"``: unquantised float32 or bfloat16 keys, or the
+production records (``"quantized"``: MXFP8 window, FP4 or MXFP8 compressed, MXFP4 indexer keys)."""
 
 _RECORD_NAMES = {("e4m3", "ue8m0"): "MXFP8", ("e2m1", "e4m3"): "FP4", ("e2m1", "ue8m0"): "MXFP4"}
 
 
 def key_cache_storage(family: str, dtype: str, kv_cache_dtype: str) -> str:
-    """The key storage of ``family`` in precision ``dtype`` with the ``kv_cache_dtype`` setting (``"auto"``
-    follows the mode), or ``ValueError`` naming the value and the choices."""
+    """The key storage of ``family`` in precision ``dtype`` with the ``kv_cache_dtype`` setting, or
+    ``ValueError`` naming the value and the choices. ``"auto"`` follows the mode: float32 keys in parity mode,
+    the production records (``"quantized"``) in production mode."""
     choices = ("auto", *KEY_CACHE_DTYPES)
     if kv_cache_dtype not in choices:
         raise ValueError(
             f"kv_cache_dtype: {kv_cache_dtype!r} is not supported for {family}; expected one of {choices} "
-            "('bfloat16' stores the production formats: MXFP8 window, FP4/MXFP8 compressed, MXFP4 indexer keys)"
+            "('quantized' stores the production formats: MXFP8 window, FP4/MXFP8 compressed, MXFP4 indexer keys)"
         )
-    return dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    if kv_cache_dtype == "auto":
+        return "float32" if dtype == "float32" else "quantized"
+    return kv_cache_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,13 +113,18 @@ class KeyStore:
 
 
 def key_store(
-    kind: str, width: int, cache_dtype: str, *, dtype: str, cast: str = "none", use_fp4: bool = True
+    kind: str, width: int, cache_dtype: str, *, cast: str = "none", use_fp4: bool = True
 ) -> KeyStore:
     """The :class:`KeyStore` of ``kind`` (``"window"``, ``"compressed"``, ``"indexer"``) for keys of ``width``
-    values: plain values of ``dtype`` (with the mode's ``cast``) when ``cache_dtype == "float32"``, else the
-    production record format (compressed keys: FP4, or MXFP8 with ``use_fp4 = False``)."""
-    if cache_dtype == "float32":
-        return KeyStore(width, dtype, cast)
+    values: plain float32 or bfloat16 values (with the mode's ``cast`` applied first) for ``cache_dtype``
+    ``"float32"`` / ``"bfloat16"``, else (``"quantized"``) the production record format (compressed keys: FP4,
+    or MXFP8 with ``use_fp4 = False``)."""
+    if cache_dtype in ("float32", "bfloat16"):
+        return KeyStore(width, cache_dtype, cast)
+    if cache_dtype != "quantized":
+        raise ValueError(
+            f"key_store: cache_dtype {cache_dtype!r} is not 'float32', 'bfloat16' or 'quantized'"
+        )
     if kind == "window":
         fmt = window_record_format(width)
     elif kind == "compressed":
@@ -124,7 +133,7 @@ def key_store(
         fmt = indexer_record_format(width)
     else:
         raise ValueError(f"key_store: kind {kind!r} is not 'window', 'compressed' or 'indexer'")
-    return KeyStore(width, dtype, cast, fmt)
+    return KeyStore(width, "float32", cast, fmt)
 
 
 class CompressedCache(NamedTuple):

@@ -356,6 +356,7 @@ def build_plan(
     max_blocks_per_seq: int,
     vocab_size: int,
     eos_token_ids: Sequence[int] = (),
+    banned_token_ids: Sequence[int] = (),
 ) -> StepPlan:
     """The :class:`StepPlan` of one step: every device's batch (``None`` = nothing to run) in one padded plan.
 
@@ -427,6 +428,7 @@ def build_plan(
         vocab_size,
         output_lens=np.asarray(output_lens, np.int64),
         eos_token_ids=eos_token_ids,
+        banned_token_ids=banned_token_ids,
         num_rows=d * s,
         row_index=row_index,
     )

@@ -15,13 +15,16 @@ step also returns its expert counts, and the balancer re-places expert slots bet
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from absl import logging
 from jax.experimental import multihost_utils
 
 from deepinfer_jax.engine.mesh_eplb import MeshExpertBalancer
@@ -31,7 +34,7 @@ from deepinfer_jax.engine.scheduler import Scheduler
 from deepinfer_jax.engine.step import StepExecutor, StepOutput
 from deepinfer_jax.parallel.mesh import mesh_sizes
 
-__all__ = ["EngineRunner", "InFlight", "RunStats"]
+__all__ = ["EngineRunner", "InFlight", "RunStats", "RunnerOptions"]
 
 
 @dataclasses.dataclass
@@ -93,10 +96,41 @@ class InFlight(NamedTuple):
 
 def _to_host(x: jax.Array) -> np.ndarray:
     """All of a global array on this host: every process reads every device's rows (SPMD: each process's
-    schedulers then make the same decisions)."""
+    schedulers then make the same decisions). An explicit transfer (the transfer guard allows it)."""
     if x.is_fully_addressable:
-        return np.asarray(x)
+        return np.asarray(jax.device_get(x))
     return multihost_utils.process_allgather(x, tiled=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerOptions:
+    """How the loop runs (the config fields of the same names, docs/config.md).
+
+    Attributes:
+      async_scheduling: dispatch step N+1 before reading step N's tokens (False: process every step first).
+      stats_log_interval_steps: steps between statistics log lines (<= 0: none).
+      gc_interval_steps: > 0: automatic garbage collection off during a run, a collection every this many steps.
+      transfer_guard: implicit host<->device transfers during a run are errors (``jax.transfer_guard``).
+    """
+
+    async_scheduling: bool = True
+    stats_log_interval_steps: int = 0
+    gc_interval_steps: int = 0
+    transfer_guard: bool = False
+
+
+@contextlib.contextmanager
+def _manual_gc(interval: int) -> Iterator[None]:
+    if interval <= 0:
+        yield
+        return
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class EngineRunner:
@@ -106,10 +140,16 @@ class EngineRunner:
       scheduler: the engine's scheduler (owns requests, blocks and slots of every device).
       executor: the device step (owns every device's cache and per-slot state).
       balancer: EPLB for a mesh with ``ep > 1`` (the executor must return expert counts), or ``None``.
+      options: :class:`RunnerOptions` (default: asynchronous, no statistics lines, Python's own GC, no guard).
     """
 
     def __init__(
-        self, scheduler: Scheduler, executor: StepExecutor, *, balancer: MeshExpertBalancer | None = None
+        self,
+        scheduler: Scheduler,
+        executor: StepExecutor,
+        *,
+        balancer: MeshExpertBalancer | None = None,
+        options: RunnerOptions | None = None,
     ) -> None:
         if scheduler.num_devices != executor.num_devices:
             raise ValueError(
@@ -121,6 +161,7 @@ class EngineRunner:
         self.scheduler = scheduler
         self.executor = executor
         self.balancer = balancer
+        self.options = options or RunnerOptions()
         self.placeholder_plans = 0
         """Per-device placeholder parts dispatched so far."""
 
@@ -140,13 +181,38 @@ class EngineRunner:
             top_ids=host.top_ids,
             top_logprobs=host.top_logprobs,
             prompt_logprobs=host.prompt,
+            sum_smaller=host.sum_smaller,
+            top_sum_smaller=host.top_sum_smaller,
         )
         if self.balancer is not None and out.expert_counts is not None:
             counts = _to_host(out.expert_counts)
             if self.balancer.observe(counts, prefill=plan.is_prefill, snapshot=step.snapshot):
                 # The next dispatch takes the re-placed slots; the step in flight keeps the arrays it was given.
-                self.executor.params = self.balancer.rearrange(self.executor.params)
+                # The new placements travel to the devices: an intended transfer.
+                with jax.transfer_guard("allow"):
+                    self.executor.params = self.balancer.rearrange(self.executor.params)
         return finished
+
+    def _periodic(self, stats: RunStats, start: float) -> None:
+        """The statistics line and the garbage collection due after this many steps."""
+        opts, n = self.options, stats.steps
+        if opts.gc_interval_steps > 0 and n % opts.gc_interval_steps == 0:
+            gc.collect()
+        if opts.stats_log_interval_steps > 0 and n % opts.stats_log_interval_steps == 0:
+            sched = self.scheduler
+            free = sum(d.blocks.num_free for d in sched.devices)
+            total = sum(d.blocks.capacity for d in sched.devices)
+            rate = stats.generated_tokens / max(time.perf_counter() - start, 1e-9)
+            logging.info(
+                "engine: %d steps, %d running, %d waiting, %d of %d cache blocks in use, %.1f generated tokens/s "
+                "(finished requests)",
+                n,
+                sched.num_running,
+                sched.num_waiting,
+                total - free,
+                total,
+                rate,
+            )
 
     def run(
         self,
@@ -188,20 +254,26 @@ class EngineRunner:
             incoming = poll() if poll is not None else False
             return incoming or self.scheduler.has_unfinished_requests() or bool(in_flight)
 
-        take(self.scheduler.take_ready_outputs())
-        while more():
-            plan = self.scheduler.schedule()
-            if plan is not None:
-                in_flight.append((plan, self._dispatch(plan)))
-                stats.steps += 1
-            if in_flight and (plan is None or len(in_flight) > 1):
-                take(self._process(*in_flight.popleft()))
-            elif plan is None:
-                take(self.scheduler.take_ready_outputs())
-                if not in_flight and self.scheduler.has_unfinished_requests():
-                    raise RuntimeError(
-                        "the scheduler has unfinished requests but can schedule nothing and has nothing in flight"
-                    )
+        opts = self.options
+        depth = 1 if opts.async_scheduling else 0  # steps left in flight while the next one is scheduled
+        guard = jax.transfer_guard("disallow") if opts.transfer_guard else contextlib.nullcontext()
+        with guard, _manual_gc(opts.gc_interval_steps):
+            take(self.scheduler.take_ready_outputs())
+            while more():
+                plan = self.scheduler.schedule()
+                if plan is not None:
+                    in_flight.append((plan, self._dispatch(plan)))
+                    stats.steps += 1
+                    self._periodic(stats, start)
+                if in_flight and (plan is None or len(in_flight) > depth):
+                    take(self._process(*in_flight.popleft()))
+                elif plan is None:
+                    take(self.scheduler.take_ready_outputs())
+                    if not in_flight and self.scheduler.has_unfinished_requests():
+                        raise RuntimeError(
+                            "the scheduler has unfinished requests but can schedule nothing and has nothing in "
+                            "flight"
+                        )
         stats.seconds = time.perf_counter() - start
         stats.compile_count = self.executor.compile_count - compiles
         stats.compile_seconds = self.executor.compile_seconds - compile_s

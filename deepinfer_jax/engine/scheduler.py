@@ -576,6 +576,8 @@ class DeviceScheduler:
         top_ids: Any = None,
         top_logprobs: Any = None,
         prompt_logprobs: tuple[Any, Any, Any, Any] | None = None,
+        sum_smaller: Any = None,
+        top_sum_smaller: Any = None,
     ) -> list[RequestOutput]:
         """Take the sampled tokens of ``batch`` (the oldest unprocessed one), apply stops, free what finished.
 
@@ -606,6 +608,8 @@ class DeviceScheduler:
                 ("rank", rank),
                 ("top_ids", top_ids),
                 ("top_logprobs", top_logprobs),
+                ("sum_smaller", sum_smaller),
+                ("top_sum_smaller", top_sum_smaller),
             )
         }
         now = self._clock()
@@ -695,7 +699,15 @@ class DeviceScheduler:
                 f"request {req.request_id!r} asked for logprobs, but process_outputs got no logprob array"
             )
         value = float(lp[row])
-        entry = {token: Logprob(value, None if rk is None else int(rk[row]), self._decode_one(token))}
+        smaller, top_smaller = arrays["sum_smaller"], arrays["top_sum_smaller"]
+        entry = {
+            token: Logprob(
+                value,
+                None if rk is None else int(rk[row]),
+                self._decode_one(token),
+                None if smaller is None else float(smaller[row]),
+            )
+        }
         assert req.cumulative_logprob is not None
         req.cumulative_logprob += value
         n = req.params.logprobs or 0
@@ -709,7 +721,8 @@ class DeviceScheduler:
             for j in range(n):
                 alt = int(ids[row, j])
                 if alt not in entry:
-                    entry[alt] = Logprob(float(lps[row, j]), j + 1, self._decode_one(alt))
+                    below = None if top_smaller is None else float(top_smaller[row, j])
+                    entry[alt] = Logprob(float(lps[row, j]), j + 1, self._decode_one(alt), below)
         return entry
 
     def _record_prompt_logprobs(
@@ -800,10 +813,13 @@ class Scheduler:
 
     Args:
       num_devices: devices of the mesh (``dp * ep``), device ``d`` at ``(d // ep, d % ep)``.
+      banned_token_ids: ids never sampled (``sampling.banned_token_ids``), masked in every row of every step.
       **device_args: the :class:`DeviceScheduler` arguments of every device (budgets are per device).
     """
 
-    def __init__(self, *, num_devices: int = 1, **device_args: Any) -> None:
+    def __init__(
+        self, *, num_devices: int = 1, banned_token_ids: Sequence[int] = (), **device_args: Any
+    ) -> None:
         num_devices = _positive("num_devices", num_devices)
         self.devices: tuple[DeviceScheduler, ...] = tuple(
             DeviceScheduler(**device_args) for _ in range(num_devices)
@@ -816,6 +832,7 @@ class Scheduler:
         self.max_model_len = first.max_model_len
         self.tokenizer = first.tokenizer
         self.eos_token_ids = tuple(sorted(first.eos_token_ids))
+        self.banned_token_ids = tuple(int(t) for t in banned_token_ids)
         self._assigned: list[dict[str, None]] = [{} for _ in self.devices]  # insertion-ordered request ids
         self._owner: dict[str, int] = {}
         # The loads as of the last change that went through this object (a batch of add_request calls between
@@ -932,6 +949,7 @@ class Scheduler:
             max_blocks_per_seq=self.max_blocks_per_seq,
             vocab_size=self.vocab_size,
             eos_token_ids=self.eos_token_ids,
+            banned_token_ids=self.banned_token_ids,
         )
         for s, b in zip(self.devices, batches, strict=True):
             s.stats.num_padding_tokens += plan.padded_tokens - (0 if b is None else b.num_tokens)

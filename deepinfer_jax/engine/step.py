@@ -60,6 +60,7 @@ from deepinfer_jax.sampling import (
 __all__ = [
     "DEVICE_SPEC",
     "PromptLogprobs",
+    "SamplerOptions",
     "StepExecutor",
     "StepOutput",
     "StepState",
@@ -74,6 +75,21 @@ Params = dict[str, Any]
 
 DEVICE_SPEC = PartitionSpec(ALL_AXES)
 """The leading device axis of every per-device array (plans, caches, state, outputs), spread over the mesh."""
+
+
+class SamplerOptions(NamedTuple):
+    """Engine-wide sampler settings, static arguments of the step.
+
+    Attributes:
+      logprobs_mode: what reported logprobs are (``LLM(logprobs_mode=)``; vLLM's four values,
+        :data:`~deepinfer_jax.sampling.LOGPROBS_MODES`).
+      force_top_k: > 0: every row samples among its top-k logits (``sampling.force_top_k``).
+      sum_smaller: report each logprob's inclusive CDF (``sampling.compute_sum_smaller_probs``).
+    """
+
+    logprobs_mode: str = "raw_logprobs"
+    force_top_k: int = 0
+    sum_smaller: bool = False
 
 
 class StepState(NamedTuple):
@@ -120,6 +136,8 @@ class StepOutput(NamedTuple):
       logits: float32 ``[S, V]`` the sampled rows' logits, only when the executor was built with
         ``return_logits=True`` (tests and debugging); otherwise ``None``.
       prompt: per-token prompt logprobs (:class:`PromptLogprobs`) when the step computes them; else ``None``.
+      sum_smaller, top_sum_smaller: ``[S]`` / ``[S, n]`` the sampled token's and the alternatives' inclusive
+        CDF in the processed distribution (``sampling.compute_sum_smaller_probs``; zeros otherwise).
       expert_counts: int32 ``[Σ P / ep]`` the rows each local expert slot received in every slot-layout MoE
         layer (layers side by side in the order of :func:`~deepinfer_jax.parallel.manual.expert_count_layout`)
         when the step was built with ``counts=True``; else ``None``.
@@ -133,6 +151,8 @@ class StepOutput(NamedTuple):
     logits: jax.Array | None = None
     prompt: PromptLogprobs | None = None
     expert_counts: jax.Array | None = None
+    sum_smaller: jax.Array | None = None
+    top_sum_smaller: jax.Array | None = None
 
 
 def prompt_logprobs(
@@ -177,6 +197,7 @@ def device_step(
     num_prompt_logprobs: int = -1,
     batch_invariant: bool = False,
     return_logits: bool = False,
+    sampler: SamplerOptions | None = None,
 ) -> tuple[Any, StepState, StepOutput]:
     """One device's part of a step (module docstring): ``(cache, state, StepOutput)``.
 
@@ -184,8 +205,9 @@ def device_step(
     runs in tiles of :data:`BATCH_INVARIANT_TILE` rows and the sampler in its batch-invariant mode, so a row's
     logits and token are bitwise the same in any batch. With ``num_prompt_logprobs >= 0`` the model returns the
     logits of every token and the step reports :class:`PromptLogprobs` for ``inputs.prompt_targets`` with that
-    many alternatives.
+    many alternatives. ``sampler`` holds the engine-wide sampler settings (:class:`SamplerOptions`).
     """
+    sampler = sampler or SamplerOptions()
     num_seqs = inputs.seq_slots.shape[0]
     num_tokens = inputs.token_ids.shape[0]
     num_slots = state.last_tokens.shape[0]
@@ -226,7 +248,14 @@ def device_step(
         logits, cache = model.forward(params, cache, token_ids, meta, tile=tile)  # [S, V] float32
     row_counts = counts[jnp.clip(inputs.seq_slots, 0, num_slots - 1)]
     out = sample(
-        logits, inputs.sampling, row_counts, num_logprobs=num_logprobs, batch_invariant=batch_invariant
+        logits,
+        inputs.sampling,
+        row_counts,
+        num_logprobs=num_logprobs,
+        batch_invariant=batch_invariant,
+        logprobs_mode=sampler.logprobs_mode,
+        force_top_k=sampler.force_top_k,
+        sum_smaller=sampler.sum_smaller,
     )
     writes = inputs.sample & (inputs.seq_slots >= 0)
     target = jnp.where(writes, inputs.seq_slots, num_slots)
@@ -240,6 +269,8 @@ def device_step(
         out.top_logprobs,
         logits if return_logits else None,
         prompt_out,
+        sum_smaller=out.sum_smaller if sampler.sum_smaller else None,
+        top_sum_smaller=out.top_sum_smaller if sampler.sum_smaller else None,
     )
     return cache, StepState(last_tokens, counts), result
 
@@ -258,6 +289,7 @@ def step(
     return_logits: bool = False,
     counts: bool = False,
     selection: OpSelection | None = None,
+    sampler: SamplerOptions | None = None,
 ) -> tuple[Any, StepState, StepOutput]:
     """One engine step on every device of ``mesh`` at once: :func:`device_step` inside one ``jax.shard_map``.
 
@@ -285,6 +317,7 @@ def step(
                 num_prompt_logprobs=num_prompt_logprobs,
                 batch_invariant=batch_invariant,
                 return_logits=return_logits,
+                sampler=sampler,
             )
         if counts:
             out = out._replace(expert_counts=expert_counts(scope, layout))
@@ -326,6 +359,7 @@ class StepExecutor:
       expert_counts: every step also returns its per-layer expert counts (EPLB and ``moe_lb`` read them).
       selection: the op selection the step is compiled under (``ops.backend`` / ``ops.overrides``,
         :func:`~deepinfer_jax.ops.selection.resolve_selection`); ``None`` = every op's automatic choice.
+      sampler: the engine-wide :class:`SamplerOptions`.
 
     Attributes:
       compile_count: compilations done so far (one per variant used).
@@ -345,6 +379,7 @@ class StepExecutor:
         batch_invariant: bool = False,
         expert_counts: bool = False,
         selection: OpSelection | None = None,
+        sampler: SamplerOptions | None = None,
     ) -> None:
         if not isinstance(model, PagedModel):
             raise TypeError(f"model: expected a PagedModel, got {type(model).__name__}")
@@ -372,6 +407,7 @@ class StepExecutor:
             "return_logits": bool(return_logits),
             "counts": self.returns_expert_counts,
             "selection": selection,
+            "sampler": sampler or SamplerOptions(),
         }
         self._jitted = jax.jit(
             step,
@@ -400,10 +436,12 @@ class StepExecutor:
         )()
 
     def _place(self, inputs: StepInputs) -> Any:
-        """The plan's numpy arrays as global arrays on the mesh (on one process the executable copies them)."""
+        """The plan's numpy arrays as global arrays on the mesh, copied explicitly (the transfer guard allows it)."""
         if self._sharding.is_fully_addressable:
-            return inputs
-        return jax.tree.map(lambda a: place_on_mesh(a, self._sharding), inputs)
+            return jax.device_put(inputs, self._sharding)
+        # Each process copies its own shards (make_array_from_callback): explicit, but the guard cannot tell.
+        with jax.transfer_guard("allow"):
+            return jax.tree.map(lambda a: place_on_mesh(a, self._sharding), inputs)
 
     def _executable(self, plan: StepPlan, inputs: Any) -> Any:
         key = plan.variant

@@ -29,6 +29,7 @@ _LAZY: dict[str, str] = {
     ),
     **dict.fromkeys(
         (
+            "LOGPROBS_MODES",
             "MAX_LOGPROBS",
             "SampleOutput",
             "TokenLogprobs",
@@ -60,6 +61,7 @@ __getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
 __all__ = [
     "COUNT_MASK",
     "FIXED_POINT_BITS",
+    "LOGPROBS_MODES",
     "MAX_LOGPROBS",
     "PROMPT_FLAG",
     "ROW_FIELDS",
@@ -93,6 +95,7 @@ if TYPE_CHECKING:
         update_token_counts,
     )
     from deepinfer_jax.sampling.pipeline import (
+        LOGPROBS_MODES,
         MAX_LOGPROBS,
         SampleOutput,
         TokenLogprobs,

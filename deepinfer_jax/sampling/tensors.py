@@ -39,7 +39,8 @@ ROW_FIELDS: tuple[str, ...] = (
     "stop_token_ids",
     "ignore_eos",
 )
-"""Attributes :meth:`SamplingTensors.build` reads from each request's parameters."""
+"""Attributes :meth:`SamplingTensors.build` reads from each request's parameters (``golden_token_ids`` and
+``first_n_token_no_eos`` too, when an object has them)."""
 
 _MAX_POSITION = 2**31 - 1
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
@@ -78,6 +79,7 @@ class SamplingTensors(NamedTuple):
       seed: uint32 ``[S, 2]`` the ``(lo, hi)`` words of each row's 64-bit seed.
       position: int32 ``[S]`` 0-based position of the token this row samples.
       masked_ids: int32 ``[S, K]`` ids whose logit is -inf this step; -1 = unused entry.
+      golden: int32 ``[S]`` the token the row must emit (teacher forcing: ``golden_token_ids``), -1 = sample.
     """
 
     temperature: Any
@@ -90,6 +92,7 @@ class SamplingTensors(NamedTuple):
     seed: Any
     position: Any
     masked_ids: Any
+    golden: Any
 
     @property
     def num_rows(self) -> int:
@@ -201,7 +204,13 @@ class SamplingTensors(NamedTuple):
                 row_mask.update(_id_list(f"{field}.stop_token_ids", p.stop_token_ids or (), vocab))
                 if not p.ignore_eos:
                     row_mask.update(eos)
+            if outs[j] < getattr(p, "first_n_token_no_eos", 0):
+                row_mask.update(eos)
             masks.append(sorted(row_mask))
+            golden = getattr(p, "golden_token_ids", None)
+            if golden is not None and outs[j] < len(golden):
+                token = _id_list(f"{field}.golden_token_ids", (golden[outs[j]],), vocab)[0]
+                out["golden"][i] = token
 
         needed = max((len(m) for m in masks), default=0)
         if mask_width is None:
@@ -216,7 +225,7 @@ class SamplingTensors(NamedTuple):
         masked = np.full((rows, width), -1, np.int32)
         for j, m in enumerate(masks):
             masked[where[j], : len(m)] = m
-        return cls(**out, masked_ids=masked)
+        return cls(masked_ids=masked, **out)
 
 
 def _neutral(rows: int, vocab: int) -> dict[str, np.ndarray]:
@@ -231,6 +240,7 @@ def _neutral(rows: int, vocab: int) -> dict[str, np.ndarray]:
         "frequency_penalty": np.zeros(rows, np.float32),
         "seed": np.zeros((rows, 2), np.uint32),
         "position": np.zeros(rows, np.int32),
+        "golden": np.full(rows, -1, np.int32),
     }
 
 

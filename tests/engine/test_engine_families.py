@@ -252,11 +252,11 @@ def test_batch_invariant_logprobs_are_bitwise_independent_of_the_batch(name, mes
 
 
 @functools.cache
-def _bf16(name: str, mesh: tuple[int, int]):
+def _bf16_llm(name: str, mesh: tuple[int, int]) -> LLM:
     """The default precision (``dtype="bfloat16"``: bf16 weights and activations, the production cache records)
-    on one bucket, and its outputs for eight greedy requests."""
+    on one bucket, with the small cache that forces preemption."""
     dp, ep = mesh
-    llm = LLM(
+    return LLM(
         name,
         dtype="bfloat16",
         data_parallel_size=dp,
@@ -264,34 +264,140 @@ def _bf16(name: str, mesh: tuple[int, int]):
         max_num_seqs=4 if dp * ep == 1 else 16,
         max_num_batched_tokens=16 * dp * ep,
         kv_cache_memory="64MiB",
-        **{"cache.block_size": 16},
+        **{"cache.block_size": 16, "cache.num_blocks": BLOCKS},
     )
-    prompts, _ = _requests(8, 21)
-    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
-    return llm.generate(prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)
 
 
-# bf16 keeps 8 significant bits. The mesh computes each row's MoE in GEMMs of other shapes, so float32 partial
-# sums round to other bf16 values and logits move by up to a few 1e-2 after the tiny models' layers (measured:
-# BF16_SEEN below). Greedy tokens must agree until the first position where the one-device run's top two
-# logprobs are closer than BF16_TIE; the logprobs of agreeing tokens must agree within BF16_TOL.
-BF16_TOL = 0.1
-BF16_TIE = 2 * BF16_TOL
+@functools.cache
+def _bf16(name: str, mesh: tuple[int, int]):
+    """Ten mixed requests (greedy and seeded sampled rows, mixed lengths) at the default precision."""
+    prompts, params = _requests(10, 20)
+    outs = _bf16_llm(name, mesh).generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    return prompts, params, outs
+
+
+@functools.cache
+def _bf16_model(name: str):
+    return deepinfer_jax.load_model(name, "bfloat16")
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+# Tolerances at bf16. bf16 keeps 8 significant bits, and on the tiny models' random weights (flat distributions
+# over 512 ids, near-ties everywhere) one rounding difference in an early layer can move a logprob by tenths
+# of a nat at a later position: the float32 and bf16 full forwards of the *same* weights differ by up to
+# 0.8 (V3), 1.1 (V4) and 2.0 (V4.1) at the engine's tokens, and V4.1's bf16 full forward alone moves by up to
+# 0.8 when the same rows run in a batch of another size. No fixed tolerance is both safe and tight, so each
+# test measures this noise floor on its own tokens -- |logprob(float32 full forward) - logprob(bf16 full
+# forward)| of every greedy output token -- and the engine at bf16 must be within twice that floor of the bf16
+# full forward: at the median, the 90th percentile and the maximum. A bug (a wrong cache entry, position or
+# scale) moves logprobs far beyond rounding, at most positions; the median and the 90th percentile catch it.
+# Greedy tokens, evaluated in the engine's own context, must be the bf16 full forward's argmax except where
+# its best id leads the engine's by less than the per-position tolerance (a near-tie), and must agree with
+# it at least as often as the float32 full forward's argmax does, less 0.15.
+@functools.cache
+def _bf16_reference(name: str):
+    """For each greedy request of the one-device bf16 batch: the bf16 and float32 full forwards' log-softmax at
+    its output positions, in the engine's own context (prompt + emitted tokens); and the noise floor."""
+    prompts, params, outs = _bf16(name, MESHES[0])
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    seqs = [prompts[i] + outs[i].outputs[0].token_ids for i in greedy]
+    ids = np.zeros((len(seqs), REF_LEN), np.int32)
+    for row, seq in enumerate(seqs):
+        ids[row, : len(seq)] = seq
+    r16 = _log_softmax(np.asarray(_bf16_model(name).logits(ids), np.float64))
+    r32 = _log_softmax(np.asarray(_model(name).logits(ids), np.float64))
+    refs, floor = {}, []
+    for row, i in enumerate(greedy):
+        span = slice(len(prompts[i]) - 1, len(seqs[row]) - 1)
+        refs[i] = (r16[row, span], r32[row, span])
+        for k, token in enumerate(outs[i].outputs[0].token_ids):
+            floor.append(abs(refs[i][1][k, token] - refs[i][0][k, token]))
+    return refs, np.asarray(floor)
+
+
+def _track(want_tokens, want_lp, got_tokens, got_lp, tol: float, label: str) -> float:
+    """Greedy agreement up to the first near-tie of the reference (its two best within ``tol``), logprobs of the
+    agreeing tokens within ``tol``; returns the largest logprob difference.
+
+    ``want_lp[k]`` / ``got_lp[k]`` map token ids to the two sides' logprobs at output position ``k`` (the
+    reference's holds at least its two best)."""
+    seen = 0.0
+    for k, (a, b) in enumerate(zip(want_tokens, got_tokens, strict=True)):
+        if a != b:
+            first, second = sorted(want_lp[k].values(), reverse=True)[:2]
+            assert first - second < tol, f"{label} differs at {k} without a near-tie"
+            break
+        diff = abs(got_lp[k][a] - want_lp[k][a])
+        seen = max(seen, diff)
+        assert diff < tol, (label, k, diff)
+    return seen
+
+
+def _lp(completion) -> list[dict[int, float]]:
+    return [{t: e.logprob for t, e in entry.items()} for entry in completion.logprobs]
+
+
+@every_family
+def test_bfloat16_batch_equals_the_bf16_full_forward_and_alone(name):
+    """Production precision on one device, the batch preempting: greedy rows track the bf16 full forward of the
+    same weights (which applies the same cache-key round trips) within the measured noise floor; every row
+    agrees with the same request alone (sampled rows: identical tokens until a position where the two runs'
+    logprobs differ, since the draw is keyed by seed and position only)."""
+    llm = _bf16_llm(name, MESHES[0])
+    prompts, params, outs = _bf16(name, MESHES[0])
+    assert sum(o.metrics.num_preemptions for o in outs) > 0, "the small cache must force preemption"
+    refs, floor = _bf16_reference(name)
+    tol = 2 * float(floor.max())
+    engine, agree, agree32 = [], [], []
+    for i, (r16, r32) in refs.items():
+        got = outs[i].outputs[0]
+        for k, token in enumerate(got.token_ids):
+            engine.append(abs(got.logprobs[k][token].logprob - r16[k, token]))
+            best = int(np.argmax(r16[k]))
+            agree.append(token == best)
+            agree32.append(int(np.argmax(r32[k])) == best)
+            assert r16[k, best] - r16[k, token] < tol, f"request {i} at {k}: not the argmax and no near-tie"
+    engine = np.asarray(engine)
+    for q in (0.5, 0.9, 1.0):
+        assert np.quantile(engine, q) <= 2 * np.quantile(floor, q) + 1e-3, (q, engine, floor)
+    assert np.mean(agree) >= np.mean(agree32) - 0.15, (np.mean(agree), np.mean(agree32))
+    seen = 0.0
+    for i, (prompt, p, out) in enumerate(zip(prompts, params, outs, strict=True)):
+        got = out.outputs[0]
+        alone = llm.generate(prompt_token_ids=[prompt], sampling_params=p, use_tqdm=False)[0].outputs[0]
+        if p.temperature == 0:
+            seen = max(
+                seen, _track(alone.token_ids, _lp(alone), got.token_ids, _lp(got), tol, f"request {i}")
+            )
+            continue
+        for k, (a, b, la, lb) in enumerate(
+            zip(alone.token_ids, got.token_ids, _lp(alone), _lp(got), strict=True)
+        ):
+            if a != b:
+                assert la != lb, f"request {i}: a different draw at {k} from identical logprobs"
+                break
+            assert abs(la[a] - lb[b]) < tol, (i, k)
+    print(
+        f"{name}: bf16 engine vs bf16 full forward |dlogprob| median {np.median(engine):.4f} max {engine.max():.4f}"
+        f" (floor: median {np.median(floor):.4f} max {floor.max():.4f}); greedy agreement {np.mean(agree):.2f}"
+        f" (float32 forward: {np.mean(agree32):.2f}); batch vs alone max {seen:.4f}"
+    )
 
 
 @every_family
 def test_bfloat16_on_the_mesh_tracks_one_device(name):
-    """Production precision on ``dp=2 x ep=4`` against one device (greedy agreement up to the first near-tie)."""
-    want, got = _bf16(name, MESHES[0]), _bf16(name, MESHES[1])
+    """Production precision on ``dp=2 x ep=4`` against one device (greedy agreement up to the first near-tie,
+    within the noise floor measured above)."""
+    _, params, want = _bf16(name, MESHES[0])
+    _, _, got = _bf16(name, MESHES[1])
+    tol = 2 * float(_bf16_reference(name)[1].max())
     seen = 0.0
-    for i, (w, g) in enumerate(zip(want, got, strict=True)):
-        wc, gc = w.outputs[0], g.outputs[0]
-        for k, (a, b) in enumerate(zip(wc.token_ids, gc.token_ids, strict=True)):
-            if a != b:
-                top = sorted((e.logprob for e in wc.logprobs[k].values()), reverse=True)
-                assert top[0] - top[1] < BF16_TIE, f"request {i} differs at {k} without a near-tie"
-                break
-            diff = abs(wc.logprobs[k][a].logprob - gc.logprobs[k][b].logprob)
-            seen = max(seen, diff)
-            assert diff < BF16_TOL, (i, k, diff)
+    for i, (p, w, g) in enumerate(zip(params, want, got, strict=True)):
+        if p.temperature == 0:
+            wc, gc = w.outputs[0], g.outputs[0]
+            seen = max(seen, _track(wc.token_ids, _lp(wc), gc.token_ids, _lp(gc), tol, f"request {i}"))
     print(f"{name}: largest bf16 logprob difference mesh vs one device {seen:.4f}")

@@ -94,7 +94,7 @@ def test_eplb_rebalances_the_serving_engine_and_keeps_its_tokens():
     process = llm.runner._process
 
     def recording(plan, step):
-        counts = {path: c.sum() for path, c in balancer.split(step.out.expert_counts).items()}
+        counts = {path: c.sum() for path, c in balancer.split(jax.device_get(step.out.expert_counts)).items()}
         initial = np.asarray(step.snapshot[0][0].slot_to_expert).tolist() == start["layers.1.mlp.experts"]
         tokens = sum(b.num_tokens for b in plan.batches if b is not None)
         seen.append((tokens, counts, plan.is_prefill, initial))
@@ -238,11 +238,11 @@ def test_placement_detail_is_logged_on_request(caplog):
     [
         (
             {"parallel.moe_force_imbalance_ratio": 1.8},
-            r"moe_force_imbalance_ratio = 1\.8: synthetic MoE routing",
+            r"moe_force_imbalance_ratio = 1\.8 \(set by override .*\): synthetic MoE routing",
         ),
         ({"parallel.moe_force_uniform_routing": True}, "moe_force_uniform_routing = True"),
-        ({"parallel.engram_on_device": False}, "engram_on_device = False: Engram tables in host memory"),
-        ({"parallel.context_parallel_size": 2}, "context_parallel_size = 2: context-parallel prefill"),
+        ({"parallel.engram_on_device": False}, r"engram_on_device = False .*: Engram tables in host memory"),
+        ({"parallel.context_parallel_size": 2}, r"context_parallel_size = 2 .*: context-parallel prefill"),
     ],
 )
 def test_parallel_settings_the_engine_would_ignore_are_refused(override, match):

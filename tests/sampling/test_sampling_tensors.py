@@ -52,6 +52,7 @@ def test_values_padding_and_normalisation():
         "seed": np.uint32,
         "position": np.int32,
         "masked_ids": np.int32,
+        "golden": np.int32,
     }
 
 
@@ -87,7 +88,7 @@ def test_the_engines_sampling_params_are_accepted():
 def test_is_a_pytree_that_moves_to_the_device():
     st = SamplingTensors.build([Row()], [3], [4], V, num_rows=2)
     leaves = jax.tree.leaves(st)
-    assert len(leaves) == len(st._fields) == 10
+    assert len(leaves) == len(st._fields) == 11
     on_device = jax.device_put(st)
     assert isinstance(on_device, SamplingTensors) and isinstance(on_device.seed, jax.Array)
     assert on_device.num_rows == 2

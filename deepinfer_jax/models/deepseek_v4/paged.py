@@ -33,8 +33,8 @@ A layer of a step (``T`` tokens of many rows, each at its own position, prefill 
 Temporary memory per layer scales with the step's tokens times what each reads (``W`` window keys, ``k``
 selected entries, one page while walking) plus ``[T, entries]`` indexer scores, never with the cache.
 
-**Cache formats.** ``cache_dtype="float32"`` stores keys unquantised (in the precision mode's activation dtype,
-float32 in parity mode). ``cache_dtype="bfloat16"`` stores the production records of ARCHITECTURE §8 as bytes
+**Cache formats.** ``cache_dtype="float32"`` / ``"bfloat16"`` store keys unquantised in that dtype (the mode's
+own round trips applied first). ``cache_dtype="quantized"`` stores the production records as bytes
 (:mod:`deepinfer_jax.numerics.kv_records`): MXFP8 window keys, FP4 (E2M1 + E4M3 per 16) compressed entries and
 MXFP4 indexer keys; every reader, the step that wrote a key included, sees its decoded value, which is the
 round trip the bfloat16 model applies (spec §12.4). Compression state is float32 in every mode.
@@ -104,7 +104,7 @@ class V4PagedModel(PagedModel):
       plan: the :class:`~deepinfer_jax.models.deepseek_v4.model.V4Plan` of the precision mode.
       numerics: its linear numerics.
       block_size: tokens per cache block (every compression ratio divides it).
-      cache_dtype: ``"float32"`` or ``"bfloat16"`` (production records).
+      cache_dtype: ``"float32"``, ``"bfloat16"`` (unquantised keys) or ``"quantized"`` (production records).
       window, compressed, indexer: how each kind of key is stored (:class:`KeyStore`).
       walk_chunk: block-table columns per iteration of the page walks.
     """
@@ -124,7 +124,7 @@ class V4PagedModel(PagedModel):
         """The engine's view of a loaded V4 model (``load_model``'s result) in precision mode ``dtype``.
 
         Refuses a ``block_size`` that a layer's compression ratio does not divide and a ``cache_dtype``
-        outside ``("float32", "bfloat16")``.
+        outside ``("auto", "float32", "bfloat16", "quantized")``.
         """
         cfg = model.config
         if not isinstance(cfg, DeepseekV4Config):
@@ -138,14 +138,14 @@ class V4PagedModel(PagedModel):
         casts = plan.casts
         head_dim = cfg.head_dim
         index_dim = cfg.index_head_dim or 0
-        if cache_dtype == "bfloat16":
+        if cache_dtype == "quantized":
             for field, width, group in (("head_dim", head_dim, 32), ("index_head_dim", index_dim, 32)):
                 if width % group:
                     raise ValueError(
                         f"{field} = {width}: the production cache records quantise groups of {group} values; "
                         f"use kv_cache_dtype='float32' for this model"
                     )
-        store = functools.partial(key_store, cache_dtype=cache_dtype, dtype=plan.dtype)
+        store = functools.partial(key_store, cache_dtype=cache_dtype)
         model_obj = cls(
             cfg=cfg,
             plan=plan,
@@ -155,7 +155,7 @@ class V4PagedModel(PagedModel):
             window=store("window", head_dim, cast=casts.window_keys),
             compressed=store("compressed", head_dim, cast=casts.compressed_keys),
             # A model without CSA layers stores no indexer keys; the placeholder is never read.
-            indexer=store("indexer", index_dim, cast=casts.indexer) if index_dim else KeyStore(0, plan.dtype),
+            indexer=store("indexer", index_dim, cast=casts.indexer) if index_dim else KeyStore(0, "float32"),
         )
         model_obj.check_block_size(block_size)
         return model_obj
@@ -235,8 +235,8 @@ class V4PagedModel(PagedModel):
             lines.append(text)
         storage = (
             "MXFP8 window, FP4 compressed, MXFP4 indexer"
-            if self.cache_dtype == "bfloat16"
-            else self.plan.dtype
+            if self.cache_dtype == "quantized"
+            else self.cache_dtype
         )
         return CacheLayout(
             block_size=self.block_size,

@@ -30,7 +30,7 @@ whole context are materialised, never its keys.
 
 Numerics are the model's: the projections, pooling op, indexer query and scores, candidate blocks, sink softmax,
 grouped output projection, mHC, Engram and MoE are the model modules' own functions, so in float32 parity mode
-each row's logits equal the full forward's up to float32 reassociation. ``cache_dtype="bfloat16"`` stores the
+each row's logits equal the full forward's up to float32 reassociation. ``cache_dtype="quantized"`` stores the
 production formats of ``ARCHITECTURE.md`` §8 as encoded records (``uint8``; MXFP8 window, FP4 or MXFP8
 compressed, MXFP4 indexer keys, :mod:`deepinfer_jax.numerics.kv_records`), and every reader -- the step that
 wrote a key as well as later ones -- uses the decoded value.
@@ -139,7 +139,8 @@ class V41PagedModel(PagedModel):
         block_size: tokens per cache block (a multiple of every compress ratio: a page holds ``block / r``
             compressed entries).
         dtype: the precision mode, ``"float32"`` (parity) or ``"bfloat16"`` (production).
-        cache_dtype: ``"float32"`` (unquantised float32 keys) or ``"bfloat16"`` (the production record formats).
+        cache_dtype: ``"float32"`` / ``"bfloat16"`` (unquantised keys of that dtype) or ``"quantized"`` (the
+            production record formats).
         head_dim, index_head_dim, use_fp4: the cache widths and the compressed format.
     """
 
@@ -157,7 +158,8 @@ class V41PagedModel(PagedModel):
 
         Raises:
             TypeError: ``block_size`` is not an int.
-            ValueError: a ``dtype`` / ``cache_dtype`` outside ``("float32", "bfloat16")``, parameters assembled
+            ValueError: a ``dtype`` outside ``("float32", "bfloat16")``, a ``cache_dtype`` outside ``("auto",
+                "float32", "bfloat16", "quantized")``, parameters assembled
                 in another precision mode, or a ``block_size`` that some compress ratio does not divide.
         """
         if dtype not in _MODES:
@@ -226,11 +228,11 @@ class V41PagedModel(PagedModel):
 
     @property
     def production(self) -> bool:
-        return self.cache_dtype == "bfloat16"
+        return self.cache_dtype == "quantized"
 
     def _store(self, kind: str, width: int, cast: str) -> KeyStore:
-        # Unquantised keys are kept in float32 in both modes; the mode's own round trip is applied before.
-        return key_store(kind, width, self.cache_dtype, dtype="float32", cast=cast, use_fp4=self.use_fp4)
+        # Unquantised keys keep the mode's own round trip, applied before they are stored.
+        return key_store(kind, width, self.cache_dtype, cast=cast, use_fp4=self.use_fp4)
 
     @functools.cached_property
     def window_store(self) -> KeyStore:
@@ -266,7 +268,7 @@ class V41PagedModel(PagedModel):
             kinds += [f"indexer {idx.describe()}"] if self.index_k_sources else []
             dtype = f"records ({', '.join(kinds)})"
         else:
-            dtype = "float32"
+            dtype = self.cache_dtype
 
         def owners(layers: tuple[int, ...]) -> str:
             ratios = sorted({self._ratio(s) for s in layers})

@@ -218,12 +218,14 @@ def test_block_size_and_cache_dtype_are_checked(model):
 _STATE = 2 * (2 * 8 * 2 * 256 * 4) + 2 * (16 * 2 * 128 * 4)
 LAYOUTS = {
     "float32": (2 * 4 * (512 + 512) + 2 * 512, 5 * 16 * 512 + _STATE),
+    # Unquantised bfloat16 keys: half the float32 bytes.
+    "bfloat16": (2 * 4 * (256 + 256) + 2 * 256, 5 * 16 * 256 + _STATE),
     # MXFP8 window 128 + 4 B, FP4 compressed 64 + 8 B (E4M3 scale per 16), MXFP4 indexer 64 + 4 B.
-    "bfloat16": (2 * 4 * (72 + 68) + 2 * 72, 5 * 16 * 132 + _STATE),
+    "quantized": (2 * 4 * (72 + 68) + 2 * 72, 5 * 16 * 132 + _STATE),
 }
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "quantized"])
 def test_layout_bytes_are_the_real_cache(model, cache_dtype):
     pm = V4PagedModel.create(model, block_size=BLOCK, dtype="float32", cache_dtype=cache_dtype)
     layout = pm.layout()
@@ -235,10 +237,10 @@ def test_layout_bytes_are_the_real_cache(model, cache_dtype):
 
 
 def test_production_records_equal_the_models_cache_round_trips(trimmed):
-    """``cache_dtype="bfloat16"`` stores MXFP8 / FP4 / MXFP4 records. In float32 arithmetic with the model's
+    """``cache_dtype="quantized"`` stores MXFP8 / FP4 / MXFP4 records. In float32 arithmetic with the model's
     §12.4 key round trips switched on (and nothing else), the contiguous model computes exactly what reading
     those records back gives, so the float32 tolerance applies."""
-    pm = V4PagedModel.create(trimmed, block_size=BLOCK, dtype="float32", cache_dtype="bfloat16")
+    pm = V4PagedModel.create(trimmed, block_size=BLOCK, dtype="float32", cache_dtype="quantized")
     casts = CastPolicy(window_keys="mxfp8", compressed_keys="fp4_e4m3", indexer="mxfp4")
     plan = dataclasses.replace(
         pm.plan, casts=casts, attention=tuple(dataclasses.replace(s, casts=casts) for s in pm.plan.attention)

@@ -184,9 +184,9 @@ def test_layout_counts_only_owning_layers(model):
 
 
 def test_production_layout_uses_the_record_formats(model):
-    """``cache_dtype="bfloat16"`` stores encoded records: sizes from ``cache.record_bytes`` (MXFP8 window,
+    """``cache_dtype="quantized"`` stores encoded records: sizes from ``cache.record_bytes`` (MXFP8 window,
     FP4 + E4M3/16 compressed, MXFP4 indexer at head_dim 128 / index_head_dim 128)."""
-    paged = V41PagedModel.create(model, block_size=BLOCK, dtype="float32", cache_dtype="bfloat16")
+    paged = V41PagedModel.create(model, block_size=BLOCK, dtype="float32", cache_dtype="quantized")
     rec = record_bytes(model.config)
     assert rec == {"window": 128 + 4, "compressed": 64 + 8, "indexer": 64 + 4}
     lay = paged.layout()
@@ -210,7 +210,7 @@ def test_bad_arguments_are_refused(model):
     with pytest.raises(ValueError, match="cache_dtype: 'fp8'"):
         V41PagedModel.create(model, block_size=16, dtype="float32", cache_dtype="fp8")
     with pytest.raises(ValueError, match="assembled in 'float32'"):
-        V41PagedModel.create(model, block_size=16, dtype="bfloat16", cache_dtype="bfloat16")
+        V41PagedModel.create(model, block_size=16, dtype="bfloat16", cache_dtype="quantized")
 
 
 # ------------------------------------------------------------------------------- equality with full
@@ -349,7 +349,7 @@ def dense_model():
 
 
 def test_dense_compressed_nonshifted_variant_with_production_records(dense_model):
-    """``cache_dtype="bfloat16"`` stores encoded records; what every step reads back (the writing step included)
+    """``cache_dtype="quantized"`` stores encoded records; what every step reads back (the writing step included)
     is exactly the round trip the model applies, so the paged path equals the full forward with those round
     trips switched on."""
     model, static, seqs = dense_model
@@ -357,7 +357,7 @@ def test_dense_compressed_nonshifted_variant_with_production_records(dense_model
         static=static,
         block_size=BLOCK,
         dtype="float32",
-        cache_dtype="bfloat16",
+        cache_dtype="quantized",
         head_dim=128,
         index_head_dim=128,
         use_fp4=True,

@@ -61,7 +61,7 @@ def real():
         static=static,
         block_size=BLOCK,
         dtype="bfloat16",
-        cache_dtype="bfloat16",
+        cache_dtype="quantized",
         head_dim=cfg.head_dim,
         index_head_dim=cfg.index_head_dim,
         use_fp4=True,
