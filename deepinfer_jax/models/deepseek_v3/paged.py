@@ -117,7 +117,8 @@ def paged_decoder_layer(
         return x + v3_model.feed_forward(rms_norm(x, p["post_attn_norm"], eps=eps)[None], p["mlp"], pl)[0]
 
     q_lat, q_pe, entries = rowwise(project, tile, x, cos, sin)
-    cache = write_tokens(cache, layer, entries, meta.blocks, meta.offsets)
+    # kv_rank: an FP8 latent record of V3's real 512 + 64 does not tell its latent width by its size alone.
+    cache = write_tokens(cache, layer, entries, meta.blocks, meta.offsets, kv_rank=cfg.kv_lora_rank)
 
     def attend(q_lat: jax.Array, q_pe: jax.Array, token_seq: jax.Array, positions: jax.Array) -> jax.Array:
         return select("paged_mla_attention")(
