@@ -598,7 +598,6 @@ class V41PagedModel(PagedModel):
         ``(pages, P [E, D])`` with ``P`` the pre-RoPE normalised entries (the indexer keys' input)."""
         cmp = self.compressed_store
         freqs = spec.freqs()
-        store = get_op("kv_store_records")
 
         def rotated(pr: jax.Array, er: jax.Array) -> jax.Array:
             return cmp.op_values(_rotate_at(pr, er, freqs, spec.rope_dim))
@@ -620,7 +619,7 @@ class V41PagedModel(PagedModel):
 
             pre_rope = rowwise(c1, tile, _at(u, emitted))
             keys = rowwise(rotated, tile, pre_rope, entry_rope)
-            return store(pages, keys, slots, key_format=cmp.op_format), pre_rope
+            return get_op("kv_store_records")(pages, keys, slots, key_format=cmp.op_format), pre_rope
 
         dense = LinearNumerics()
 
@@ -645,7 +644,7 @@ class V41PagedModel(PagedModel):
 
             pre_rope = rowwise(pool, tile, pa, pg)
             keys = rowwise(rotated, tile, pre_rope, entry_rope)
-            return store(pages, keys, slots, key_format=None), pre_rope
+            return get_op("kv_store_records")(pages, keys, slots, key_format=None), pre_rope
 
         cos, sin = rope_cos_sin(entry_rope, freqs)
 
