@@ -16,8 +16,10 @@ of the masked dense scores.
 Visibility: entry ``j`` of token ``t``'s row competes iff ``j < limit[t]`` (``(p + 1) // r`` for a real token,
 0 for padding), its page is allocated, and -- for candidate consumers (§7.6) -- its candidate block
 ``j // candidate_block_size`` is set in ``candidates [T, NB]``. The result is ``[T, k]`` compressed indices,
-``-1`` where fewer than ``k`` entries compete. The ``pallas_gpu`` kernel replaces the per-chunk scorer (keys decoded
-in registers, ``pallas_kernels/indexer.py``); the merge stays ``lax.top_k``.
+``-1`` where fewer than ``k`` entries compete. The reference scores a chunk one page at a time (each page's records
+gathered for every token and decoded: ``[T, E, Di]`` float32), so its working set is one page per token whatever
+the chunk. The ``pallas_gpu`` kernel replaces the per-chunk scorer (keys decoded in registers,
+``pallas_kernels/indexer.py``); the merge stays ``lax.top_k``.
 """
 
 from __future__ import annotations

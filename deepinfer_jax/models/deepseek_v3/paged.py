@@ -5,7 +5,7 @@ Every layer writes each token's MLA latent (``c`` and the rotated ``k_pe``) into
 (the absorbed form: queries are mapped into the latent space by ``W_UK``, outputs out of it by ``W_UV``). The
 MLP/MoE block is the contiguous model's own (``deepseek_v3.model.feed_forward``), so both paths share one
 implementation of DeepSeekMoE. In batch-invariant mode every per-token computation runs in fixed tiles
-(:func:`~deepinfer_jax.engine.paged_model.rowwise`), the attention included.
+(:func:`~deepinfer_jax.ops.tiling.rowwise`), the attention included.
 """
 
 from __future__ import annotations

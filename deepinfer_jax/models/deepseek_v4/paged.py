@@ -19,25 +19,30 @@ A layer of a step (``T`` tokens of many rows, each at its own position, prefill 
 2. the window keys of each token from this step's keys or the slot's ring
    (:func:`~deepinfer_jax.cache.ragged.history`), then the ring update;
 3. compressed layers: the tokens that complete an entry (``(p + 1) % r == 0``, at most ``T // r + S`` of them)
-   gather the ``r``/``2r`` projections they pool (:func:`~deepinfer_jax.cache.ragged.history` with ``index=``), pool
-   them with op ``v4_compressor_pool``, normalise, rotate to the entry's first position and write the entry
-   into its page -- before any query reads, so later tokens of the same step (and the emitting token itself)
-   see it, as in the contiguous model;
-4. attention with sinks as one online softmax: the window part, then for HCA every visible entry, walked page
-   by page (:func:`~deepinfer_jax.cache.paged_walk.paged_attend_all`), and for CSA the indexer's top-k:
-   indexer keys scored page by page (:func:`~deepinfer_jax.cache.paged_walk.paged_scores`, op
-   ``v4_indexer_scores``), the best ``index_topk`` visible entries gathered and attended;
+   gather the ``r``/``2r`` projections they pool (:func:`~deepinfer_jax.cache.ragged.history` with ``index=``), and
+   op ``v4_compress_store`` pools them, normalises, rotates the entry to its first position, encodes it and writes
+   it at its flat page row -- before any query reads, so later tokens of the same step (and the emitting token
+   itself) see it, as in the contiguous model;
+4. attention with sinks: window-only and CSA layers through op ``v4_sparse_attention`` over the stored window keys
+   and, for CSA, the lightning indexer's top-k (op ``v4_indexer_topk`` over the stored indexer keys, streaming over
+   the pages; :func:`~deepinfer_jax.ops.sparse_attention.entry_slots` turns the selection into page rows); HCA
+   layers as one online softmax over the window and every visible entry, walked page by page
+   (:func:`~deepinfer_jax.cache.paged_walk.paged_attend_all`);
 5. de-rotation, the grouped output projection, mHC, and the (hash- or score-routed) MoE of the model itself
    (``moe_layer`` on a ``[1, T, H]`` view).
 
 Temporary memory per layer scales with the step's tokens times what each reads (``W`` window keys, ``k``
-selected entries, one page while walking) plus ``[T, entries]`` indexer scores, never with the cache.
+selected entries, one page while walking or scoring) plus the indexer's running top-k and one scored chunk,
+never with the cache.
 
 **Cache formats.** ``cache_dtype="float32"`` stores keys unquantised (in the precision mode's activation dtype,
 float32 in parity mode). ``cache_dtype="bfloat16"`` stores the production records of ARCHITECTURE §8 as bytes
 (:mod:`deepinfer_jax.numerics.kv_records`): MXFP8 window keys, FP4 (E2M1 + E4M3 per 16) compressed entries and
 MXFP4 indexer keys; every reader, the step that wrote a key included, sees its decoded value, which is the
-round trip the bfloat16 model applies (spec §12.4). Compression state is float32 in every mode.
+round trip the bfloat16 model applies (spec §12.4). Compression state is float32 in every mode. The ops read and
+write the keys in their stored format (``KeyStore.op_format``); unquantised keys with the bfloat16 mode's cache
+casts are pooled and cast here and only written by an op (``kv_store_records``), since ``v4_compress_store``
+cannot apply a cast between its RoPE and its write.
 """
 
 from __future__ import annotations

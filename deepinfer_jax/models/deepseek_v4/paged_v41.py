@@ -23,10 +23,16 @@ Within a step the values a source layer produces for its consumers travel in :cl
 hidden of this step's tokens, the pre-RoPE ``P`` of the entries emitted in this step (for the indexer keys), the
 top-k selection as compressed indices ``[T, k]`` and the candidate-block mask ``[T, NB]``.
 
-Temporary memory follows what each token reads: its window ``[T, W, D]``, its ``k`` selected entries
-``[T, k, D]`` (gathered by index), and the indexer keys or compressed keys one page at a time while scoring or
-attending to every visible entry (:mod:`deepinfer_jax.cache.paged_walk`). Only the scores ``[T, entries]`` of the
-whole context are materialised, never its keys.
+The hot paths are registry ops (the engine's op selection picks their implementations): window and selected
+entries through ``v4_sparse_attention`` over the stored records, ``Sel(p)`` of index sources through the
+streaming ``v4_indexer_topk`` (the candidate source, which needs its whole score row for ``Cand(p)``, scores one
+page at a time with ``v4_indexer_scores``), compressed entries through ``v4_compress_store`` (ratio 2) or
+``kv_store_records`` (C1, indexer keys), the mHC Sinkhorn through ``mhc_sinkhorn``.
+
+Temporary memory follows what each token reads: its window ``[T, W, ...]``, its ``k`` selected entries, and the
+indexer keys or compressed keys one page at a time while scoring or attending to every visible entry
+(:mod:`deepinfer_jax.cache.paged_walk`). Only score rows are materialised, never the keys of the context: the
+streaming indexer's running top-k and one chunk, and the candidate source's ``[T, entries]``.
 
 Numerics are the model's: the projections, pooling op, indexer query and scores, candidate blocks, sink softmax,
 grouped output projection, mHC, Engram and MoE are the model modules' own functions, so in float32 parity mode
