@@ -5,7 +5,7 @@ Every layer writes each token's MLA latent (``c`` and the rotated ``k_pe``) into
 (the absorbed form: queries are mapped into the latent space by ``W_UK``, outputs out of it by ``W_UV``). The
 MLP/MoE block is the contiguous model's own (``deepseek_v3.model.feed_forward``), so both paths share one
 implementation of DeepSeekMoE. In batch-invariant mode every per-token computation runs in fixed tiles
-(:func:`~deepinfer_jax.engine.paged_model.rowwise`), the attention included.
+(:func:`~deepinfer_jax.ops.tiling.rowwise`), the attention included.
 """
 
 from __future__ import annotations
@@ -117,7 +117,8 @@ def paged_decoder_layer(
         return x + v3_model.feed_forward(rms_norm(x, p["post_attn_norm"], eps=eps)[None], p["mlp"], pl)[0]
 
     q_lat, q_pe, entries = rowwise(project, tile, x, cos, sin)
-    cache = write_tokens(cache, layer, entries, meta.blocks, meta.offsets)
+    # kv_rank: an FP8 latent record of V3's real 512 + 64 does not tell its latent width by its size alone.
+    cache = write_tokens(cache, layer, entries, meta.blocks, meta.offsets, kv_rank=cfg.kv_lora_rank)
 
     def attend(q_lat: jax.Array, q_pe: jax.Array, token_seq: jax.Array, positions: jax.Array) -> jax.Array:
         return select("paged_mla_attention")(
