@@ -592,13 +592,13 @@ class CompletionOutput:
     """One generated sequence of a request.
 
     Attributes:
-        index: the sequence's index within its request (always 0: one sequence per request).
+        index: the sample's index within its request (0 … n - 1; 0 when n = 1).
         text: detokenized output, stop string and stopping special token excluded (``""`` without a tokenizer).
         token_ids: every generated id, the one that triggered a stop included.
         cumulative_logprob: sum of the chosen tokens' logprobs when ``logprobs`` was requested, else ``None``.
         logprobs: one ``{token_id: Logprob}`` per output token (the chosen token and the top-n alternatives)
             when requested, else ``None``.
-        finish_reason: ``"stop"``, ``"length"``, ``"error"``, or ``None`` while running.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ``"error"``, or ``None`` while running.
         stop_reason: the stop string or stop token id that ended it (``None`` for EOS, length and errors).
         error: the message when ``finish_reason == "error"``.
     """
