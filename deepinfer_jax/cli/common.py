@@ -109,7 +109,7 @@ _SAMPLING_HELP: dict[str, str] = {
     "skip_special_tokens": "leave special tokens out of the text",
     "spaces_between_special_tokens": "put spaces between special tokens in the text",
     "detokenize": "decode the text (--nodetokenize: token ids only)",
-    "logit_bias": "added to the logits of token ids, as a JSON object '{\"5\": -100, \"7\": 2.5}'",
+    "logit_bias": 'added to the logits of token ids, as a JSON object \'{"5": -100, "7": 2.5}\'',
     "allowed_token_ids": "sample only these token ids, as a JSON list or comma-separated ids",
     "bad_words": "a word that is never generated (repeatable)",
 }
@@ -160,9 +160,7 @@ def define_sampling_flags(fv: flags.FlagValues, *, max_tokens: int) -> None:
     """A flag per SamplingParams argument, with SamplingParams' default (`max_tokens`: the command's)."""
     from deepinfer_jax.engine.params import SamplingParams
 
-    defaults = {
-        n: p.default for n, p in inspect.signature(SamplingParams.__init__).parameters.items()
-    }
+    defaults = {n: p.default for n, p in inspect.signature(SamplingParams.__init__).parameters.items()}
     defaults["max_tokens"] = max_tokens
     for f in sampling_flags():
         default, help_text = defaults[f.field], _SAMPLING_HELP[f.field]
@@ -242,13 +240,18 @@ def define_engine_flags(fv: flags.FlagValues, *, max_tokens: int) -> None:
         flag_values=fv,
     )
     flags.DEFINE_integer(
-        "max_model_len", None, "most tokens per request (unset: the model's, as far as the cache holds)",
+        "max_model_len",
+        None,
+        "most tokens per request (unset: the model's, as far as the cache holds)",
         flag_values=fv,
     )
     flags.DEFINE_integer("max_num_seqs", 256, "most sequences per step", flag_values=fv)
     flags.DEFINE_integer("max_num_batched_tokens", 2048, "most tokens per step", flag_values=fv)
     flags.DEFINE_integer(
-        "engine_seed", 0, "the engine's seed: each request's sampling seed when --seed is unset", flag_values=fv
+        "engine_seed",
+        0,
+        "the engine's seed: each request's sampling seed when --seed is unset",
+        flag_values=fv,
     )
     define_sampling_flags(fv, max_tokens=max_tokens)
     flags.DEFINE_integer(

@@ -39,11 +39,11 @@ def test_a_new_sampling_argument_without_a_flag_is_an_error(monkeypatch):
     """The flags are derived from SamplingParams.__init__: an argument the CLI does not know fails loudly."""
     original = SamplingParams.__init__
 
-    def init(self, temperature: float = 1.0, *, new_knob: int = 0) -> None:  # noqa: ARG001
+    def init(self, temperature: float = 1.0, *, new_knob: int = 0) -> None:
         original(self, temperature)
 
     monkeypatch.setattr(SamplingParams, "__init__", init)
-    with pytest.raises(TypeError, match="SamplingParams.new_knob .* has no command-line flag"):
+    with pytest.raises(TypeError, match=r"SamplingParams\.new_knob .* has no command-line flag"):
         common.sampling_flags()
 
 

@@ -79,11 +79,8 @@ def test_generate_cli_sampling_flags_reach_the_engine(capsys):
     from deepinfer_jax.engine.params import SamplingParams
 
     flags = ["--n=2", "--seed=3", "--logprobs=1", "--max_tokens=3", "--ignore_eos", "--stop_token_ids=[7]"]
-    rc = cli.main(
-        ["deepinfer-jax", "generate", "--model=tiny-v3", "--prompt_ids=5,6,7", "--noprogress", "--verbose"]
-        + flags
-        + ENGINE
-    )
+    head = ["deepinfer-jax", "generate", "--model=tiny-v3", "--prompt_ids=5,6,7", "--noprogress", "--verbose"]
+    rc = cli.main([*head, *flags, *ENGINE])
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "KV cache plan" in out
