@@ -128,7 +128,7 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
             chat_version=fv.chat_version,
         )
     except (ValueError, TypeError, NotImplementedError) as err:
-        print(f"chat: error: {err}", file=sys.stderr)
+        print(f"chat: error: {common.flag_message(err)}", file=sys.stderr)
         return 2
     if fv.json:
         record = dataclasses.asdict(output)

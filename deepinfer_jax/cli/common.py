@@ -276,6 +276,21 @@ def define_engine_flags(fv: flags.FlagValues, *, max_tokens: int) -> None:
     )
 
 
+_ARGUMENT_FLAGS = {"seed": "engine_seed"}  # LLM arguments whose flag has another name
+
+
+def flag_message(err: BaseException) -> str:
+    """An engine error as the command line's user sees it: the sources it names are flags (``LLM argument
+    max_num_seqs`` -> ``--max_num_seqs``, ``override cache.block_size`` -> ``--set cache.block_size``)."""
+    text = str(err)
+    text = re.sub(
+        r"\bLLM argument '?(\w+)'?", lambda m: "--" + _ARGUMENT_FLAGS.get(m.group(1), m.group(1)), text
+    )
+    text = re.sub(r"\[set by override ([\w.]+)\]", r"[set by --set \1]", text)
+    text = re.sub(r"\(set by override ([\w.]+)\)", r"(set by --set \1)", text)
+    return re.sub(r"\bengine_overrides: ", "--set: ", text)
+
+
 def llm_from_flags(fv: flags.FlagValues) -> Any:
     """`LLM(...)` from the flags of :func:`define_engine_flags` (and `--model`)."""
     from deepinfer_jax.engine.llm import LLM

@@ -67,7 +67,7 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
         else:
             outputs = llm.generate(prompt_token_ids=prompt_ids, sampling_params=params, use_tqdm=fv.progress)
     except (ValueError, TypeError, NotImplementedError) as err:
-        print(f"generate: error: {err}", file=sys.stderr)
+        print(f"generate: error: {common.flag_message(err)}", file=sys.stderr)
         return 2
     for i, out in enumerate(outputs):
         shown = out.prompt if out.prompt is not None else out.prompt_token_ids

@@ -169,3 +169,24 @@ def test_one_default_dtype_everywhere():
         module.define_flags(fv)
         defaults.add(fv["dtype"].default)
     assert defaults == {"bfloat16"}
+
+
+def test_engine_errors_name_flags(capsys):
+    """Errors the engine raises about its arguments and overrides name the flags that set them."""
+    assert common.flag_message(ValueError("max_num_seqs = 3 (set by LLM argument max_num_seqs): x")) == (
+        "max_num_seqs = 3 (set by --max_num_seqs): x"
+    )
+    assert (
+        common.flag_message(ValueError("seed: bad [set by LLM argument seed]"))
+        == "seed: bad [set by --engine_seed]"
+    )
+    assert (
+        common.flag_message(ValueError("y = 1: z [set by override cache.y]"))
+        == "y = 1: z [set by --set cache.y]"
+    )
+    rc = cli.main(
+        ["deepinfer-jax", "generate", "--model=tiny-v3", "--prompt=hi", "--set=scheduler.max_num_seqs=8"]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "--set: 'scheduler.max_num_seqs' is the --max_num_seqs; pass it as that" in err
