@@ -78,7 +78,7 @@ def format_report(report: dict[str, Any]) -> str:
     formats = kv.get("production_record_formats") or {}
     rows.append(
         (
-            "KV cache, production format",
+            "KV cache, production",
             f"{kv['production_format']:g} B per token over all layers, every record counted per token "
             "(not this run's storage"
             + ("; records: " + "; ".join(f"{k} {v}" for k, v in formats.items()) if formats else "")
