@@ -109,6 +109,11 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
         tools = load_tools(fv.tools) if fv.tools is not None else None
         # Every flag is checked before the model loads (LLM checks its settings before reading any weight).
         params = common.sampling_params_from_flags(fv)
+        if params.n != 1:
+            raise ValueError(
+                f"--n={params.n}: chat prints one reply per conversation; use `deepinfer-jax generate --n` for "
+                "several samples of one prompt"
+            )
         common.resolve_model(fv.model)
         llm = common.llm_from_flags(fv)
         if fv.verbose:

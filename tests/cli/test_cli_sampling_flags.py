@@ -148,6 +148,11 @@ def test_bad_flags_are_refused_before_the_model_loads(capsys, no_model_load, com
     assert message in err
 
 
+def test_chat_refuses_several_samples_before_the_model_loads(capsys, no_model_load):
+    rc = cli.main(["deepinfer-jax", "chat", "--model=tiny-v3", "--message=user: hi", "--n=2"])
+    assert rc == 2 and "--n=2: chat prints one reply per conversation" in capsys.readouterr().err
+
+
 def test_bad_prompts_and_models_are_refused_before_the_model_loads(capsys, no_model_load):
     rc = cli.main(["deepinfer-jax", "generate", "--model=tiny-v3", "--prompt_ids=5,x"])
     assert rc == 2 and "--prompt_ids[0]" in capsys.readouterr().err
