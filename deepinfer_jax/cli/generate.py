@@ -37,6 +37,25 @@ def _parse_ids(items: list[str]) -> list[list[int]]:
     return out
 
 
+def _check_prompt_ids(fv: flags.FlagValues, prompt_ids: list[list[int]], params: object) -> None:
+    """Token-id prompts against the model's config.json (no weights read): ids inside the vocabulary, lengths
+    within --max_model_len (or the model's max_position_embeddings; the engine checks the exact limit)."""
+    if not prompt_ids:
+        return
+    from deepinfer_jax import config as config_lib
+    from deepinfer_jax.engine.params import validate_request
+
+    model = config_lib.load_config(common.resolve_model(fv.model)[0]).model
+    if model is None:
+        return
+    limit = fv.max_model_len or model.max_position_embeddings or 2**31 - 1
+    for i, ids in enumerate(prompt_ids):
+        try:
+            validate_request(ids, params, vocab_size=model.vocab_size, max_model_len=limit)
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"--prompt_ids[{i}]: {err}") from None
+
+
 def _format_logprobs(token_ids: list[int], logprobs: list[dict]) -> str:
     """Each generated token's logprob, e.g. ``5:-0.12 9:-1.70``."""
     return " ".join(f"{t}:{entry[t].logprob:.4f}" for t, entry in zip(token_ids, logprobs, strict=False))
@@ -57,6 +76,7 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
         params = common.sampling_params_from_flags(fv)
         prompt_ids = _parse_ids(list(fv.prompt_ids))
         common.resolve_model(fv.model)
+        _check_prompt_ids(fv, prompt_ids, params)
         llm = common.llm_from_flags(fv)
         if builtin.is_builtin(fv.model):
             print(f"{fv.model} is a built-in test model with random weights: its completions are noise.")

@@ -158,6 +158,22 @@ def test_bad_prompts_and_models_are_refused_before_the_model_loads(capsys, no_mo
     assert rc == 2 and "--prompt_ids[0]" in capsys.readouterr().err
     rc = cli.main(["deepinfer-jax", "generate", "--model=no-such-model", "--prompt=x"])
     assert rc == 2 and "--model: 'no-such-model'" in capsys.readouterr().err
+    # Token ids against the model's config.json (tiny-v3: 512 tokens, 2048 positions), before any weight.
+    rc = cli.main(["deepinfer-jax", "generate", "--model=tiny-v3", "--prompt_ids=5,512"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--prompt_ids[0]: prompt_token_ids[1] = 512 is outside the vocabulary [0, 512)" in err
+    rc = cli.main(
+        [
+            "deepinfer-jax",
+            "generate",
+            "--model=tiny-v3",
+            "--prompt_ids=5,6,7",
+            "--max_model_len=8",
+            "--max_tokens=6",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and "--prompt_ids[0]: " in err and "max_model_len" in err
     rc = cli.main(["deepinfer-jax", "chat", "--model=no-such-model", "--message=user: x"])
     assert rc == 2 and "--model: 'no-such-model'" in capsys.readouterr().err
 
