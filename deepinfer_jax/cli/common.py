@@ -272,7 +272,7 @@ def define_engine_flags(fv: flags.FlagValues, *, max_tokens: int) -> None:
     )
     flags.DEFINE_boolean("progress", True, "show a progress bar", flag_values=fv)
     flags.DEFINE_boolean(
-        "verbose", False, "print the KV cache plan (also logged at absl INFO: --verbosity=0)", flag_values=fv
+        "verbose", False, "print the KV cache plan (LLM also logs it at absl INFO)", flag_values=fv
     )
 
 
