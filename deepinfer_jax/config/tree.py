@@ -571,7 +571,8 @@ class EngineConfig(Checked):
         """
         if self.kv_cache_dtype != "auto":
             return self.kv_cache_dtype
-        if self.dtype == "float32":
+        declared = None if self.model is None else self.model.checkpoint_dtype
+        if self.dtype == "float32" or (self.dtype == "auto" and declared == "float32"):
             return "float32"
         if self.model is None:
             return "auto"

@@ -192,7 +192,6 @@ def test_logit_bias_allowed_token_ids_and_bad_words_match_the_transformed_full_f
 
     got = _gen(GREEDY.replace(max_tokens=12, bad_words=words)).outputs[0].token_ids
     assert got == _greedy(PROMPT, 12, banned) != longer
-    assert longer[k1] not in got
     with pytest.raises(ValueError, match="allowed_token_ids"):
         _gen(GREEDY.replace(allowed_token_ids=[1 << 20]))
     with pytest.raises(ValueError, match="logit_bias"):
