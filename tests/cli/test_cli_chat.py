@@ -89,7 +89,16 @@ def test_json_output(capsys, llm, tmp_path):
     record = json.loads(out)
     expected = dataclasses.asdict(_expected(llm, thinking=False, tools=[TOOL]))
     assert record == json.loads(json.dumps(expected))
-    assert set(record) == {"reasoning_content", "content", "tool_calls", "finish_reason", "usage"}
+    assert set(record) == {
+        "reasoning_content",
+        "content",
+        "tool_calls",
+        "finish_reason",
+        "usage",
+        "prompt_token_ids",
+        "token_ids",
+        "logprobs",
+    }
     assert record["reasoning_content"] is None
     # The tool definition is part of the prompt.
     assert record["usage"]["prompt_tokens"] > _expected(llm, thinking=False).usage["prompt_tokens"]

@@ -165,7 +165,7 @@ def test_budget_checks(models):
         EngineConfig(model=model, speculative=SpeculativeConfig(confidence_temperature=(1.0, 2.0)))
     with pytest.raises(ValueError, match=r"max_model_len = 0: must be >= 1"):
         EngineConfig(model=model, max_model_len=0)
-    with pytest.raises(ValueError, match=r"dtype = 'float16': must be one of 'float32', 'bfloat16'"):
+    with pytest.raises(ValueError, match=r"dtype = 'float16': must be one of 'auto', 'float32', 'bfloat16'"):
         EngineConfig(model=model, dtype="float16")
     with pytest.raises(ValueError, match=r"load_format = 'pt'"):
         EngineConfig(model=model, load_format="pt")

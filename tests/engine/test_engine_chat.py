@@ -385,7 +385,7 @@ def test_no_tokenizer(model_dir_copy):
     assert bare.tokenizer is None
     with pytest.raises(ValueError, match=r"chat: this model has no tokenizer"):
         bare.chat(HELLO, use_tqdm=False)
-    with pytest.raises(ValueError, match=r"prompts: this model has no tokenizer"):
+    with pytest.raises(ValueError, match=r"prompts\[0\]: this model has no tokenizer"):
         bare.generate("hi", use_tqdm=False)
     # The same engine still runs token-id prompts.
     (res,) = bare.generate(
