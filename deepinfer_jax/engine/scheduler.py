@@ -403,6 +403,20 @@ class DeviceScheduler:
         """The state of an unfinished request (``KeyError`` once it has finished)."""
         return self._requests[request_id]
 
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End an unfinished request now, with ``finish_reason="abort"``; returns its final output (``None`` when
+        no unfinished request has this id).
+
+        Its blocks and state slot are freed at once, queued or running, even while a dispatched step still
+        computes its next token: the device runs steps in order, so a later owner's writes land after that
+        step's, and the step's sample is dropped when it arrives (counted in ``stats.num_wasted_samples``).
+        """
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, "abort")
+        return req.to_output(final=True)
+
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued or running, or a finished one has not been reported yet."""
         return bool(self._waiting or self._running or self._ready)
@@ -903,6 +917,16 @@ class Scheduler:
     def get_request(self, request_id: str) -> Request:
         """The state of an unfinished request (``KeyError`` once it has finished)."""
         return self.devices[self._owner[request_id]].get_request(request_id)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End an unfinished request now and free its blocks and slot (:meth:`DeviceScheduler.abort`); returns its
+        final output, ``finish_reason="abort"`` (``None`` when no unfinished request has this id)."""
+        device = self._owner.pop(request_id, None)
+        if device is None:
+            return None
+        self._assigned[device].pop(request_id, None)
+        self._loads = None
+        return self.devices[device].abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued or running, or a finished one has not been reported yet."""
