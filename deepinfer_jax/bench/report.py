@@ -66,13 +66,18 @@ def format_report(report: dict[str, Any]) -> str:
         )
     )
     kv = report["kv_bytes_per_token"]
-    rows.append(
-        (
-            "KV bytes/token",
-            f"{kv['engine_cache']:.0f} in this run's cache ({kv['engine_cache_dtype']}); "
-            f"{kv['production_format']:g} in the production format",
+    if "server" in report:
+        rows.insert(0, ("server", f"{report['server']['url']} serving {report['server']['model']!r}"))
+    if kv is None:
+        rows.append(("KV bytes/token", "- (a server run)"))
+    else:
+        rows.append(
+            (
+                "KV bytes/token",
+                f"{kv['engine_cache']:.0f} in this run's cache ({kv['engine_cache_dtype']}); "
+                f"{kv['production_format']:g} in the production format",
+            )
         )
-    )
     wu = report["warmup"]
     rows.append(
         (
@@ -80,7 +85,12 @@ def format_report(report: dict[str, Any]) -> str:
             f"{wu['compile_count']} in warm-up ({wu['compile_seconds']:.2f} s), {e['compile_count']} while measured",
         )
     )
-    if "host_ms_per_step" in e:
+    if "server" in report:
+        steps = e.get("steps")
+        rows.append(
+            ("per step", f"{'-' if steps is None else f'{steps:.0f}'} steps (from the server's /metrics)")
+        )
+    elif "host_ms_per_step" in e:
         rows.append(
             (
                 "per step",

@@ -65,8 +65,14 @@ def config_from_flags(fv: flags.FlagValues, **extra_overrides: Any) -> config_li
     )
 
 
-def define_engine_flags(fv: flags.FlagValues, *, max_tokens: int, max_tokens_help: str) -> None:
-    """The engine and sampling flags shared by the subcommands that run `LLM` (`generate`, `chat`)."""
+def define_engine_flags(
+    fv: flags.FlagValues, *, max_tokens: int | None, max_tokens_help: str = "", sampling: bool = True
+) -> None:
+    """The engine and sampling flags shared by the subcommands that run `LLM` (`generate`, `chat`, `serve`).
+
+    ``sampling=False`` leaves out the sampling flags (`serve`: each request brings its own) and the progress bar,
+    and adds `--batch_invariant`.
+    """
     flags.DEFINE_enum(
         "dtype",
         "bfloat16",
@@ -85,10 +91,18 @@ def define_engine_flags(fv: flags.FlagValues, *, max_tokens: int, max_tokens_hel
     )
     flags.DEFINE_integer("max_num_seqs", 256, "most sequences per step", flag_values=fv)
     flags.DEFINE_integer("max_num_batched_tokens", 2048, "most tokens per step", flag_values=fv)
-    flags.DEFINE_integer("max_tokens", max_tokens, max_tokens_help, flag_values=fv)
-    flags.DEFINE_float("temperature", 1.0, "sampling temperature; 0 = greedy", flag_values=fv)
-    flags.DEFINE_float("top_p", 1.0, "nucleus sampling threshold", flag_values=fv)
-    flags.DEFINE_integer("top_k", -1, "top-k sampling (-1 = off)", flag_values=fv)
+    if sampling:
+        flags.DEFINE_integer("max_tokens", max_tokens, max_tokens_help, flag_values=fv)
+        flags.DEFINE_float("temperature", 1.0, "sampling temperature; 0 = greedy", flag_values=fv)
+        flags.DEFINE_float("top_p", 1.0, "nucleus sampling threshold", flag_values=fv)
+        flags.DEFINE_integer("top_k", -1, "top-k sampling (-1 = off)", flag_values=fv)
+    else:
+        flags.DEFINE_boolean(
+            "batch_invariant",
+            None,
+            "a request's tokens do not depend on the rest of its batch (default: the config's, else off)",
+            flag_values=fv,
+        )
     flags.DEFINE_integer("seed", 0, "engine seed (derives each request's sampling seed)", flag_values=fv)
     flags.DEFINE_integer(
         "data_parallel_size",
@@ -106,7 +120,8 @@ def define_engine_flags(fv: flags.FlagValues, *, max_tokens: int, max_tokens_hel
         "(repeatable)",
         flag_values=fv,
     )
-    flags.DEFINE_boolean("progress", True, "show a progress bar", flag_values=fv)
+    if sampling:
+        flags.DEFINE_boolean("progress", True, "show a progress bar", flag_values=fv)
 
 
 def llm_from_flags(fv: flags.FlagValues) -> Any:
@@ -124,5 +139,6 @@ def llm_from_flags(fv: flags.FlagValues) -> Any:
         seed=fv.seed,
         data_parallel_size=fv.data_parallel_size,
         expert_parallel_size=fv.expert_parallel_size,
+        batch_invariant=fv["batch_invariant"].value if "batch_invariant" in fv else None,
         **config_lib.parse_overrides(fv.set),
     )

@@ -225,7 +225,9 @@ FIELDS: dict[str, Setting] = {
         "accepted requests not yet running beyond which the server answers 429 with Retry-After"
     ),
     "server.max_request_body_bytes": _honoured("larger request bodies get 413"),
-    "server.drain_timeout_s": _honoured("how long a shutdown waits for running requests before aborting them"),
+    "server.drain_timeout_s": _honoured(
+        "how long a shutdown waits for running requests before aborting them"
+    ),
     "server.default_thinking": _honoured("the thinking mode of a request that does not choose one"),
     # ------------------------------------------------------------------------------------------ root
     "model_path": _honoured("the model folder (LLM's model argument)"),
