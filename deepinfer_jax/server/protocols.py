@@ -287,7 +287,8 @@ def prepare(ctx: ServingContext, protocol: Protocol, body: Any) -> Prepared:
             top_p=inference.top_p if inference.top_p is not None else 1.0,
             max_tokens=max_tokens,
             logprobs=logprobs,
-            seed=inference.seed,
+            # Responses and Messages have no seed of their own: the body's ``seed`` is an extension there.
+            seed=inference.seed if inference.seed is not None else body.get("seed"),
             stop=stop or None,
             **extra,
         )
@@ -415,9 +416,8 @@ def _failure(completion: Any) -> APIError:
 
 
 def _sse(protocol: Protocol, feed: _Feed, chunk: Any) -> str:
-    name = protocol.response_cls.sse_event_name(chunk)  # before feed.json: the chunk stays usable
+    name = protocol.response_cls.sse_event_name(chunk)
     data = feed.json(chunk)
-    name = name = protocol.response_cls.sse_event_name(chunk)
     return f"event: {name}\ndata: {data}\n\n" if name else f"data: {data}\n\n"
 
 

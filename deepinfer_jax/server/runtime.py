@@ -48,7 +48,8 @@ class Server:
     """An OpenAI- and Anthropic-compatible server over ``llm``.
 
     Args:
-      llm: the engine to serve.
+      llm: the engine to serve, or an :class:`AsyncLLM` already running over one (several servers -- say, with
+        and without an API key -- can share it; then :meth:`stop` leaves it running).
       served_model_name: the model name the server reports and accepts (default: ``llm.config.served_model_name``,
         else ``model_name``).
       model_name: the name to fall back on (the ``--model`` value).
@@ -60,7 +61,7 @@ class Server:
 
     def __init__(
         self,
-        llm: LLM,
+        llm: LLM | AsyncLLM,
         *,
         served_model_name: str | None = None,
         model_name: str = "model",
@@ -73,14 +74,21 @@ class Server:
         default_thinking: bool | None = None,
         log_level: str = "warning",
     ) -> None:
-        config = llm.config.server
+        shared = isinstance(llm, AsyncLLM)
+        if shared and max_queued_requests is not None:
+            raise ValueError("max_queued_requests belongs to the shared AsyncLLM; set it there")
+        base = llm.llm if isinstance(llm, AsyncLLM) else llm
+        config = base.config.server
         self.host = config.host if host is None else host
         self.drain_timeout_s = config.drain_timeout_s if drain_timeout_s is None else float(drain_timeout_s)
-        self.served_model_name = served_model_name or llm.config.served_model_name or model_name
+        self.served_model_name = served_model_name or base.config.served_model_name or model_name
         self.sock = bind(self.host, config.port if port is None else port)
         self.port: int = self.sock.getsockname()[1]
+        self._owns_engine = not shared
         try:
-            self.engine = AsyncLLM(llm, max_queued_requests=max_queued_requests)
+            self.engine = (
+                llm if isinstance(llm, AsyncLLM) else AsyncLLM(llm, max_queued_requests=max_queued_requests)
+            )
             self.app = build_app(
                 self.engine,
                 served_model_name=self.served_model_name,
@@ -90,7 +98,7 @@ class Server:
             )
         except BaseException:
             self.sock.close()
-            if getattr(self, "engine", None) is not None:
+            if self._owns_engine and getattr(self, "engine", None) is not None:
                 self.engine.shutdown()
             raise
         self.uvicorn = uvicorn.Server(
@@ -122,7 +130,8 @@ class Server:
         except KeyboardInterrupt:  # uvicorn re-raises the signal it handled once it has shut down
             pass
         finally:
-            self.engine.shutdown(timeout=self.drain_timeout_s)
+            if self._owns_engine:
+                self.engine.shutdown(timeout=self.drain_timeout_s)
 
     def _on_started(self, callback: Any) -> None:
         def wait() -> None:
@@ -157,7 +166,8 @@ class Server:
             self._thread.join()
         with contextlib.suppress(OSError):
             self.sock.close()
-        self.engine.shutdown(timeout=self.drain_timeout_s)
+        if self._owns_engine:
+            self.engine.shutdown(timeout=self.drain_timeout_s)
 
     def __enter__(self) -> Server:
         return self.start()
