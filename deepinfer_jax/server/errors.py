@@ -15,7 +15,14 @@ from typing import Any
 
 import deepseek_recipe as recipe
 
-__all__ = ["APIError", "check_fields", "from_conversion_error", "from_recipe_value_error", "param_of"]
+__all__ = [
+    "APIError",
+    "check_fields",
+    "from_conversion_error",
+    "from_recipe_value_error",
+    "param_of",
+    "with_value",
+]
 
 _TYPES = {
     400: "invalid_request_error",
@@ -60,6 +67,7 @@ _PARAM_PATTERNS = (
     re.compile(r"^'?([a-z_]+)'? (?:must|is)"),
     re.compile(r"SamplingParams\.([a-z_]+)"),
     re.compile(r"sampling_params\.([a-z_]+)"),
+    re.compile(r"to use '([a-z_]+)'"),
 )
 
 
@@ -81,6 +89,19 @@ def from_conversion_error(exc: recipe.ConversionError) -> APIError:
     except (ValueError, KeyError, TypeError):
         message, param = str(exc), None
     return APIError(int(getattr(exc, "status_code", 400) or 400), message, param=param)
+
+
+def with_value(error: APIError, body: Any) -> APIError:
+    """Add the offending value to a refusal that names its field but not the value (the recipe's range checks
+    say "the valid range of temperature is [0, 2]" without what was sent)."""
+    if error.param is None or not isinstance(body, dict) or body.get(error.param) is None:
+        return error
+    shown = json.dumps(body[error.param])
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    if shown not in error.message:
+        error.message = f"{error.message.rstrip('.')}; got {error.param} = {shown}"
+    return error
 
 
 def from_recipe_value_error(exc: ValueError) -> APIError:

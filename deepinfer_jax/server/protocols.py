@@ -48,6 +48,7 @@ from deepinfer_jax.server.errors import (
     from_conversion_error,
     from_recipe_value_error,
     param_of,
+    with_value,
 )
 from deepinfer_jax.text.chat import ChatEncoder
 from deepinfer_jax.text.output_parser import recipe_tokenizer
@@ -301,11 +302,11 @@ def prepare(ctx: ServingContext, protocol: Protocol, body: Any) -> Prepared:
         error = from_conversion_error(exc)
         if error.param is None and "context length" in error.message:
             error.param = protocol.prompt_field
-        raise error from None
+        raise (error if error.param == protocol.prompt_field else with_value(error, body)) from None
     except APIError:
         raise
     except ValueError as exc:
-        raise from_recipe_value_error(exc) from None
+        raise with_value(from_recipe_value_error(exc), body) from None
     llm = ctx.engine.llm
     try:
         validate_request(ids, params, vocab_size=llm.model.config.vocab_size, max_model_len=ctx.max_model_len)
