@@ -8,9 +8,10 @@ Conventions (spec/engine.md §6.1):
 
 * Id 0 of each pool is reserved and never handed out. Padding rows of a step can point at it without aliasing
   a live sequence, and a zeroed table entry can never name a real page by accident.
-* Ownership is simple: an id is either free or owned by exactly one sequence (no reference counts, no sharing;
-  prefix sharing would add them). Freeing an id that is not allocated, or the reserved id, is a bug in the
-  caller and raises at once instead of corrupting the free list.
+* Ownership is counted: an allocated id has one owner, and :meth:`IdPool.share` adds owners (the ``n``
+  samples of one prompt share its full pages). :meth:`IdPool.free` drops one owner per id and returns an id to
+  the free list when its last owner lets go. Freeing an id that is not allocated, or the reserved id, is a bug
+  in the caller and raises at once instead of corrupting the free list.
 * Freed ids go to the back of a FIFO free list and allocation takes from the front, so a just-freed page is
   reused as late as possible. With asynchronous scheduling a page freed on the host may still be written by a
   step already dispatched; the device runs steps in order, so the next owner's writes always come later, but
@@ -77,7 +78,16 @@ class IdPool:
         self._size = _check_int(f"number of {kind}s", size, 2)
         self._kind = kind
         self._free: collections.deque[int] = collections.deque(range(1, self._size))
-        self._allocated = np.zeros(self._size, dtype=bool)
+        self._refs = np.zeros(self._size, dtype=np.int64)
+
+    @property
+    def _allocated(self) -> np.ndarray:
+        return self._refs > 0
+
+    def reset(self) -> None:
+        """Free every id at once (after a failed run: whatever the owners were, nothing is owned now)."""
+        self._free = collections.deque(range(1, self._size))
+        self._refs[:] = 0
 
     @property
     def size(self) -> int:
@@ -98,7 +108,19 @@ class IdPool:
         return self.capacity - len(self._free)
 
     def is_allocated(self, id_: int) -> bool:
-        return 0 <= id_ < self._size and bool(self._allocated[id_])
+        return 0 <= id_ < self._size and bool(self._refs[id_] > 0)
+
+    def refcount(self, id_: int) -> int:
+        """Owners of ``id_`` (0 = free)."""
+        return int(self._refs[id_]) if 0 <= id_ < self._size else 0
+
+    def share(self, ids: Iterable[int]) -> None:
+        """Add one owner to each of ``ids`` (all allocated; checked before any changes)."""
+        ids = [int(i) for i in ids]
+        for i in ids:
+            if not 0 < i < self._size or self._refs[i] <= 0:
+                raise ValueError(f"{self._kind} {i} cannot be shared: it is not allocated")
+        np.add.at(self._refs, ids, 1)
 
     def can_allocate(self, n: int) -> AllocStatus:
         """Whether ``n`` ids can be allocated now (``OK``), after others are freed (``LATER``), or never."""
@@ -115,14 +137,15 @@ class IdPool:
                 f"cannot allocate {n} {self._kind}(s): {len(self._free)} of {self.capacity} are free"
             )
         ids = [self._free.popleft() for _ in range(n)]
-        self._allocated[ids] = True
+        self._refs[ids] = 1
         return ids
 
     def allocate_one(self) -> int:
         return self.allocate(1)[0]
 
     def free(self, ids: Iterable[int]) -> None:
-        """Return ``ids`` to the back of the free list (in the given order).
+        """Drop one owner of each of ``ids``; those left without an owner go to the back of the free list (in
+        the given order).
 
         Every id is checked before any is freed, so a bad call leaves the pool unchanged: the reserved id, an
         id outside the pool, an id that is not allocated, or one listed twice raises ``ValueError``.
@@ -134,11 +157,11 @@ class IdPool:
                 raise ValueError(f"{self._kind} 0 is reserved and is never allocated; it cannot be freed")
             if not 0 < i < self._size:
                 raise ValueError(f"{self._kind} {i} is outside the pool [1, {self._size})")
-            if not self._allocated[i] or i in seen:
+            if self._refs[i] <= 0 or i in seen:
                 raise ValueError(f"{self._kind} {i} is freed twice (it is not allocated)")
             seen.add(i)
-        self._allocated[ids] = False
-        self._free.extend(ids)
+        self._refs[ids] -= 1
+        self._free.extend(i for i in ids if self._refs[i] == 0)
 
     def check_consistency(self) -> None:
         """Assert the free list and the ownership bitmap agree (tests and debug runs)."""

@@ -39,6 +39,7 @@ __all__ = [
     "gather_entries",
     "history",
     "make_meta",
+    "page_rows",
     "ring_write",
     "rowwise_meta",
     "write_entries",
@@ -244,6 +245,14 @@ def compressed_slots(meta: RaggedMeta, ratio: int, block_size: int, num_blocks: 
     blocks = jnp.where(ok, block, num_blocks).astype(jnp.int32)
     offsets = ((first % block_size) // ratio).astype(jnp.int32)
     return ok, index.astype(jnp.int32), blocks, offsets
+
+
+def page_rows(blocks: jax.Array, offsets: jax.Array, entries_per_block: int, num_blocks: int) -> jax.Array:
+    """Flat page rows ``block · E + offset`` of :func:`compressed_slots`' ``blocks``/``offsets`` (pages viewed as
+    ``[num_blocks · E, ...]``, as the store ops address them); ``-1`` where the block is out of range (nothing to
+    write)."""
+    ok = (blocks >= 0) & (blocks < num_blocks)
+    return jnp.where(ok, blocks * entries_per_block + offsets, -1).astype(jnp.int32)
 
 
 def write_entries(pages: Any, entries: Any, blocks: jax.Array, offsets: jax.Array) -> Any:

@@ -37,6 +37,8 @@ KEY_CACHE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "quantized")
 production records (``"quantized"``: MXFP8 window, FP4 or MXFP8 compressed, MXFP4 indexer keys)."""
 
 _RECORD_NAMES = {("e4m3", "ue8m0"): "MXFP8", ("e2m1", "e4m3"): "FP4", ("e2m1", "ue8m0"): "MXFP4"}
+# The key formats of the attention-side ops (deepinfer_jax/ops/sparse_attention.py) by element, scale, group.
+_OP_FORMATS = {("e4m3", "ue8m0", 32): "mxfp8", ("e2m1", "e4m3", 16): "fp4", ("e2m1", "ue8m0", 32): "mxfp4"}
 
 
 def key_cache_storage(family: str, dtype: str, kv_cache_dtype: str) -> str:
@@ -110,6 +112,31 @@ class KeyStore:
         if self.record is not None:
             return decode_records(stored, self.record, dtype=jnp.float32).astype(dtype)
         return stored.astype(dtype)
+
+    @property
+    def op_format(self) -> str | None:
+        """This storage as the attention-side ops name it (their ``key_format`` / ``window_format`` /
+        ``compressed_format``): ``None`` for plain values, else ``"mxfp8"``, ``"fp4"`` or ``"mxfp4"``."""
+        r = self.record
+        if r is None:
+            return None
+        name = _OP_FORMATS.get((r.element, r.scale, r.group_size))
+        if name is None:
+            raise ValueError(f"KeyStore: record format {r.name!r} has no attention-op format name")
+        return name
+
+    @property
+    def encodes_in_ops(self) -> bool:
+        """Whether an op that computes the keys itself (``v4_compress_store``) stores exactly :meth:`encode`'s
+        bytes: records (the op encodes them), or plain values without a cast (the op only converts them)."""
+        return self.record is not None or self.cast == "none"
+
+    def op_values(self, x: jax.Array) -> jax.Array:
+        """What ``kv_store_records(..., key_format=self.op_format)`` takes to store exactly :meth:`encode`'s
+        bytes for keys ``x``: ``x`` for records (the op encodes), the mode's cast of ``x`` for plain values."""
+        if self.record is not None:
+            return x
+        return kv_cast(x, self.cast)
 
 
 def key_store(

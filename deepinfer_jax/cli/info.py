@@ -87,6 +87,7 @@ def collect(fv: flags.FlagValues) -> dict[str, Any]:
 def _ops_report(cfg: config_lib.EngineConfig, platform: str | None = None) -> dict[str, Any]:
     """The op selection the engine makes under ``cfg.ops`` (``ops.resolve_selection``), as a dict."""
     from deepinfer_jax import ops
+    from deepinfer_jax.engine import llm  # noqa: F401  (registers every op the engine's step can call: `sample`, ...)
 
     if cfg.model is not None:
         # Model families register their own hot ops (attention cores, MoE experts) when imported.

@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from deepinfer_jax.config.status import check_settings, env_report, field_value
 from deepinfer_jax.engine import chat as _chat
 from deepinfer_jax.engine.buckets import step_buckets
 from deepinfer_jax.engine.mesh_eplb import MeshExpertBalancer
-from deepinfer_jax.engine.params import RequestOutput, SamplingParams, validate_request
+from deepinfer_jax.engine.params import RequestOutput, SamplingParams, derive_seed, validate_request
 from deepinfer_jax.engine.runner import EngineRunner, RunnerOptions, RunStats
 from deepinfer_jax.engine.scheduler import Scheduler
 from deepinfer_jax.engine.step import SamplerOptions, StepExecutor, state_bytes
@@ -85,18 +85,6 @@ LLM_DEFAULTS: dict[str, Any] = {
 _MASK64 = (1 << 64) - 1
 
 
-def derive_seed(seed: int, index: int) -> int:
-    """The sampling seed of request ``index`` of a ``generate`` call when it gives no ``seq_seed``.
-
-    A SplitMix64 finaliser over ``(seed, index)``: distinct requests get unrelated 64-bit seeds, and the same
-    ``LLM(seed=)`` and batch reproduce them exactly.
-    """
-    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
 def device_share(total: int, num_devices: int) -> int:
     """One device's share of a per-step budget of the whole ``LLM``: ``ceil(total / num_devices)``.
 
@@ -125,6 +113,48 @@ def _check_int(name: str, value: Any, low: int) -> int:
     if value < low:
         raise ValueError(f"{name}: must be >= {low}, got {value}")
     return value
+
+
+def _tokenization_options(kwargs: Mapping[str, Any] | None, max_model_len: int) -> dict[str, Any]:
+    """vLLM's ``tokenization_kwargs`` that apply here, checked (unknown keys are refused, naming them)."""
+    options: dict[str, Any] = {
+        "truncate_prompt_tokens": None,
+        "truncation_side": "left",
+        "add_special_tokens": True,
+    }
+    if kwargs is None:
+        return options
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(f"tokenization_kwargs: expected a dict, got {type(kwargs).__name__}")
+    unknown = set(kwargs) - set(options)
+    if unknown:
+        raise ValueError(
+            f"tokenization_kwargs: unsupported key(s) {sorted(unknown)}; supported: {sorted(options)}"
+        )
+    options.update(kwargs)
+    k = options["truncate_prompt_tokens"]
+    if k is not None:
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise TypeError(f"tokenization_kwargs['truncate_prompt_tokens']: expected an int, got {k!r}")
+        if k == -1:
+            k = max_model_len - 1
+        if k < 1:
+            raise ValueError(f"tokenization_kwargs['truncate_prompt_tokens'] = {k} must be -1 or >= 1")
+        options["truncate_prompt_tokens"] = k
+    if options["truncation_side"] not in ("left", "right"):
+        raise ValueError(
+            f"tokenization_kwargs['truncation_side'] = {options['truncation_side']!r} must be 'left' or 'right'"
+        )
+    if not isinstance(options["add_special_tokens"], bool):
+        raise TypeError("tokenization_kwargs['add_special_tokens']: expected a bool")
+    return options
+
+
+def _truncate(ids: list[Any], options: Mapping[str, Any]) -> list[Any]:
+    k = options["truncate_prompt_tokens"]
+    if k is None or len(ids) <= k:
+        return ids
+    return ids[-k:] if options["truncation_side"] == "left" else ids[:k]
 
 
 def _resolve_model(model: Any) -> Path:
@@ -532,40 +562,88 @@ class LLM:
 
     # -------------------------------------------------------------------------------------- inputs
 
-    def _prompts(self, prompts: Any, prompt_token_ids: Any) -> tuple[list[str | None], list[Any]]:
+    def _prompts(
+        self, prompts: Any, prompt_token_ids: Any, tokenization: Mapping[str, Any] | None = None
+    ) -> tuple[list[str | None], list[Any]]:
+        """Each prompt's text (``None`` for token prompts) and token ids.
+
+        ``prompts`` takes vLLM's ``PromptType``: a str, a ``TextPrompt`` (``{"prompt": str}``), a ``TokensPrompt``
+        (``{"prompt_token_ids": [...]}``, optionally with its ``"prompt"`` text), or a list mixing them.
+        ``prompt_token_ids`` (a list of ids, or a list of such lists) is the older spelling of token prompts.
+        """
+        options = _tokenization_options(tokenization, self.max_model_len)
         if prompts is not None and prompt_token_ids is not None:
             raise ValueError("generate: give prompts or prompt_token_ids, not both")
         if prompts is None and prompt_token_ids is None:
             raise ValueError("generate: prompts and prompt_token_ids are both None; give one of them")
-        if prompts is not None:
-            items = [prompts] if isinstance(prompts, str) else prompts
-            if not isinstance(items, Sequence) or isinstance(items, bytes | bytearray):
-                raise TypeError(f"prompts: expected a str or a list of str, got {type(prompts).__name__}")
-            texts: list[str | None] = []
-            for i, text in enumerate(items):
-                if not isinstance(text, str):
-                    raise TypeError(f"prompts[{i}]: expected a str, got {type(text).__name__}")
-                if not text:
-                    raise ValueError(f"prompts[{i}]: the prompt is empty")
-                texts.append(text)
+        if prompts is None:
+            ids = prompt_token_ids
+            if not isinstance(ids, Sequence) and not hasattr(ids, "ndim"):
+                raise TypeError(
+                    f"prompt_token_ids: expected a list of ints or a list of lists of ints, got {type(ids).__name__}"
+                )
+            if len(ids) and all(not isinstance(x, Sequence) and not hasattr(x, "ndim") for x in ids):
+                ids = [ids]  # one prompt given as a flat list of ids
+            if not len(ids):
+                raise ValueError("prompt_token_ids: the list of prompts is empty")
+            return [None] * len(ids), [_truncate(list(x), options) for x in ids]
+        items = [prompts] if isinstance(prompts, str | Mapping) else prompts
+        if not isinstance(items, Sequence) or isinstance(items, bytes | bytearray):
+            raise TypeError(
+                f"prompts: expected a str, a {{'prompt': ...}} or {{'prompt_token_ids': ...}} dict, or a list of "
+                f"them, got {type(prompts).__name__}"
+            )
+        if not items:
+            raise ValueError("prompts: the list of prompts is empty")
+        texts: list[str | None] = []
+        id_lists: list[Any] = []
+        for i, item in enumerate(items):
+            if isinstance(item, Mapping):
+                unknown = set(item) - {"prompt", "prompt_token_ids"}
+                if unknown:
+                    raise ValueError(
+                        f"prompts[{i}]: unsupported key(s) {sorted(unknown)}; a prompt dict holds 'prompt' "
+                        "(TextPrompt) or 'prompt_token_ids' (TokensPrompt)"
+                    )
+                if "prompt_token_ids" in item:
+                    text = item.get("prompt")
+                    if text is not None and not isinstance(text, str):
+                        raise TypeError(f"prompts[{i}]['prompt']: expected a str, got {type(text).__name__}")
+                    texts.append(text)
+                    tokens = item["prompt_token_ids"]
+                    if isinstance(tokens, str | bytes) or not (
+                        isinstance(tokens, Sequence) or hasattr(tokens, "ndim")
+                    ):
+                        raise TypeError(
+                            f"prompts[{i}]['prompt_token_ids']: expected a list of ints, got {type(tokens).__name__}"
+                        )
+                    id_lists.append(_truncate(list(tokens), options))
+                    continue
+                if "prompt" not in item:
+                    raise ValueError(f"prompts[{i}]: a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                item = item["prompt"]
+                where = f"prompts[{i}]['prompt']"
+            else:
+                where = f"prompts[{i}]"
+            if not isinstance(item, str):
+                raise TypeError(
+                    f"{where}: expected a str, got {type(item).__name__} (token ids go in "
+                    "{'prompt_token_ids': [...]} or generate(prompt_token_ids=...))"
+                )
+            if not item:
+                raise ValueError(f"{where}: the prompt is empty")
             if self.tokenizer is None:
                 raise ValueError(
-                    "prompts: this model has no tokenizer (no tokenizer.json in its folder and none given as "
-                    "LLM(tokenizer=...)); pass prompt_token_ids instead"
+                    f"{where}: this model has no tokenizer (no tokenizer.json in its folder and none given as "
+                    "LLM(tokenizer=...)); pass token ids instead"
                 )
-            # Like vLLM with a DeepSeek tokenizer (add_bos_token): a text prompt starts with BOS. Chat prompts
-            # arrive as token ids, already holding their own BOS.
-            return texts, [self.tokenizer.encode(t, add_bos=True) for t in texts]
-        ids = prompt_token_ids
-        if not isinstance(ids, Sequence) and not hasattr(ids, "ndim"):
-            raise TypeError(
-                f"prompt_token_ids: expected a list of ints or a list of lists of ints, got {type(ids).__name__}"
+            texts.append(item)
+            # Like vLLM with a DeepSeek tokenizer (add_bos_token): a text prompt starts with BOS unless
+            # tokenization_kwargs says add_special_tokens=False. Chat prompts arrive as token ids.
+            id_lists.append(
+                _truncate(self.tokenizer.encode(item, add_bos=options["add_special_tokens"]), options)
             )
-        if len(ids) and all(not isinstance(x, Sequence) and not hasattr(x, "ndim") for x in ids):
-            ids = [ids]  # one prompt given as a flat list of ids
-        if not len(ids):
-            raise ValueError("prompt_token_ids: the list of prompts is empty")
-        return [None] * len(ids), list(ids)
+        return texts, id_lists
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request given no ``SamplingParams`` uses: the config's ``sampling.temperature``, ``top_p``,
@@ -597,18 +675,33 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | None = None,
+        prompts: Any = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
+        *,
+        tokenization_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one :class:`RequestOutput` per prompt, in input order.
 
-        Every request is validated before any is queued: bad input raises and leaves the engine untouched.
+        ``prompts`` is vLLM's ``PromptType`` (a str, ``{"prompt": ...}``, ``{"prompt_token_ids": [...]}``, or a
+        list of them); ``prompt_token_ids`` the older spelling of token prompts. ``tokenization_kwargs`` takes
+        ``truncate_prompt_tokens`` (keep the last k tokens of each prompt; -1 = the most that fit
+        ``max_model_len``), ``truncation_side`` (``"left"``, the default: keep the end; or ``"right"``) and
+        ``add_special_tokens`` (False: no BOS before a text prompt).
+
+        Every request is validated before any is queued: bad input raises and leaves the engine untouched. If
+        anything fails while the requests run (an error on the device, a bug, ``KeyboardInterrupt``, an
+        exception from a progress callback), every request of the call is aborted and its blocks and slots are
+        freed, the device state is re-created if the failure consumed it, and the exception propagates: the
+        next call works as on a fresh ``LLM``.
+
         ``use_tqdm`` shows a progress bar over finished requests and then a one-line summary (requests,
-        tokens, tokens/s, compilations and their time) on stderr; :attr:`last_stats` holds the same numbers.
+        tokens, tokens/s, compilations and their time) on stderr; a callable is used to make the bar (vLLM's
+        ``functools.partial(tqdm, leave=False)``). :attr:`last_stats` holds the same numbers.
         """
-        texts, id_lists = self._prompts(prompts, prompt_token_ids)
+        self._check_open()
+        texts, id_lists = self._prompts(prompts, prompt_token_ids, tokenization_kwargs)
         params = self._sampling_params(sampling_params, len(id_lists))
         cfg = self.model.config
         checked = []
@@ -616,36 +709,95 @@ class LLM:
             arr = validate_request(
                 ids, p, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, index=i
             )
-            if p.stop and self.tokenizer is None:
-                raise ValueError(f"request {i}: sampling_params.stop needs a tokenizer; this model has none")
+            if (p.stop or p.bad_words) and self.tokenizer is None:
+                name = "stop" if p.stop else "bad_words"
+                raise ValueError(
+                    f"request {i}: sampling_params.{name} needs a tokenizer; this model has none"
+                )
+            if p.n > self.scheduler.devices[0].max_num_seqs:
+                raise ValueError(
+                    f"request {i}: sampling_params.n = {p.n} exceeds max_num_seqs = "
+                    f"{self.scheduler.devices[0].max_num_seqs} per device (the n samples of a prompt run together)"
+                )
             checked.append(arr)
         request_ids = []
-        for i, (arr, p, text) in enumerate(zip(checked, params, texts)):
-            rid = f"req-{self._next_id}"
-            self._next_id += 1
-            seed = p.seq_seed if p.seq_seed is not None else derive_seed(self.seed, i)
-            self.scheduler.add_request(rid, arr, p, seed=seed, prompt=text)
-            request_ids.append(rid)
         bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(request_ids), desc="generate", unit="req", dynamic_ncols=True)
-        profile = self.config.profile_dir
-        trace = jax.profiler.trace(profile) if profile is not None else contextlib.nullcontext()
         try:
+            for i, (arr, p, text) in enumerate(zip(checked, params, texts)):
+                rid = f"req-{self._next_id}"
+                self._next_id += 1
+                seed = p.seq_seed if p.seq_seed is not None else derive_seed(self.seed, i)
+                self.scheduler.add_request(rid, arr, p, seed=seed, prompt=text)
+                request_ids.append(rid)
+            if use_tqdm:
+                if callable(use_tqdm):
+                    bar = use_tqdm(total=len(request_ids), desc="generate", unit="req")
+                else:
+                    from tqdm.auto import tqdm
+
+                    bar = tqdm(total=len(request_ids), desc="generate", unit="req", dynamic_ncols=True)
+            profile = self.config.profile_dir
+            trace = jax.profiler.trace(profile) if profile is not None else contextlib.nullcontext()
             with trace:
                 outputs, stats = self.runner.run(
                     on_finished=(lambda _: bar.update(1)) if bar is not None else None
                 )
+        except BaseException as err:
+            self._recover(err)
+            raise
         finally:
             if bar is not None:
-                bar.close()
+                with contextlib.suppress(Exception):
+                    bar.close()
         self.last_stats = stats
         if use_tqdm:
             print(stats.summary(len(request_ids)), file=sys.stderr)
         by_id = {o.request_id: o for o in outputs}
         return [by_id[rid] for rid in request_ids]
+
+    def _recover(self, err: BaseException) -> None:
+        """After a failed run: abort every request, free every block and slot, make the device state usable."""
+        dropped = self.scheduler.abort_all()
+        rebuilt = self.executor.recover()
+        logging.warning(
+            "generate: %s stopped the run; %d request(s) aborted and freed%s",
+            type(err).__name__,
+            len(dropped),
+            "; the device cache and state were re-created" if rebuilt else "",
+        )
+
+    # -------------------------------------------------------------------------------------- lifetime
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        """The tokenizer requests are encoded and decoded with (``None`` for a model without one)."""
+        return self.tokenizer
+
+    def close(self) -> None:
+        """Release the device cache, the per-slot state, the compiled steps and the weights; the ``LLM`` cannot
+        generate afterwards (a second call does nothing). ``with LLM(...) as llm:`` closes on exit."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        self.scheduler.abort_all()
+        self.executor.release()
+        for leaf in jax.tree.leaves((self.executor.params, self.model.params)):
+            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                leaf.delete()
+        self.executor.params = None
+        self.model.params = None
+        self.model._compiled.clear()
+
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", False):
+            raise RuntimeError(
+                "this LLM is closed (LLM.close() released its device memory); create a new one"
+            )
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -------------------------------------------------------------------------------------- chat
 

@@ -29,6 +29,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "derive_seed",
     "seed_words",
     "validate_request",
 ]
@@ -38,6 +39,7 @@ MAX_LOGPROBS = 20
 
 _MAX_INT32 = 2**31 - 1
 _SEED_LIMIT = 2**64
+_MASK64_ = 2**64 - 1
 
 FinishReason = Literal["stop", "length", "error", "abort"]
 """Why a request ended: a stop (EOS, stop id, stop string), a length limit, an error of this request alone, or an
@@ -55,6 +57,20 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
+
+
+_F32_TINY = float(np.finfo(np.float32).tiny)
+_F32_MAX = float(np.finfo(np.float32).max)
+MAX_N = 256
+"""Most samples one request may ask for (``n``); the engine also needs ``n`` free sequences on one device."""
+
+_REMOVED = {
+    "best_of": "vLLM removed best_of from SamplingParams; ask for n samples and rank them (cumulative_logprob)",
+    "truncate_prompt_tokens": (
+        "vLLM moved truncate_prompt_tokens out of SamplingParams: pass "
+        "generate(..., tokenization_kwargs={'truncate_prompt_tokens': k})"
+    ),
+}
 
 
 def _is_int(value: Any) -> bool:
@@ -190,6 +206,14 @@ class SamplingParams:
     seq_seed: int | None
     so_args: None
     output_kind: RequestOutputKind
+    n: int
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    detokenize: bool
+    logit_bias: tuple[tuple[int, float], ...] | None
+    allowed_token_ids: tuple[int, ...] | None
+    bad_words: tuple[str, ...] | None
 
     def __init__(
         self,
@@ -215,11 +239,30 @@ class SamplingParams:
         golden_token_ids: Sequence[int] | None = None,
         first_n_token_no_eos: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        n: int = 1,
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        detokenize: bool = True,
+        logit_bias: Mapping[int, float] | None = None,
+        allowed_token_ids: Sequence[int] | None = None,
+        bad_words: Sequence[str] | None = None,
+        **removed: Any,
     ) -> None:
+        for name in removed:
+            if name in _REMOVED:
+                raise TypeError(f"SamplingParams.{name}: {_REMOVED[name]}")
+            raise TypeError(f"SamplingParams got an unexpected keyword argument {name!r}")
         values: dict[str, Any] = {}
         t = _float("temperature", temperature)
         if t < 0:
             raise ValueError(f"SamplingParams.temperature = {temperature!r} must be >= 0 (0 = greedy)")
+        if t and not _F32_TINY <= t <= _F32_MAX:
+            # The sampler works in float32: a smaller value would become 0 (greedy) or a denormal, a larger inf.
+            raise ValueError(
+                f"SamplingParams.temperature = {temperature!r} must be 0 (greedy) or in [{_F32_TINY:.4g}, "
+                f"{_F32_MAX:.4g}] (float32's normal range)"
+            )
         values["temperature"] = t
         p = _float("top_p", top_p)
         if not 0 < p <= 1:
@@ -234,20 +277,26 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.min_p = {min_p!r} must be in [0, 1]")
         values["min_p"] = mp
         rp = _float("repetition_penalty", repetition_penalty)
-        if rp <= 0:
-            raise ValueError(f"SamplingParams.repetition_penalty = {repetition_penalty!r} must be > 0")
+        if not _F32_TINY <= rp <= _F32_MAX:
+            raise ValueError(
+                f"SamplingParams.repetition_penalty = {repetition_penalty!r} must be > 0, in float32's normal range "
+                f"[{_F32_TINY:.4g}, {_F32_MAX:.4g}]"
+            )
         values["repetition_penalty"] = rp
         for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
             v = _float(name, value)
             if not -2 <= v <= 2:
                 raise ValueError(f"SamplingParams.{name} = {value!r} must be in [-2, 2]")
             values[name] = v
-        mt = _int("max_tokens", max_tokens)
-        if not 1 <= mt <= _MAX_INT32:
-            raise ValueError(f"SamplingParams.max_tokens = {mt} must be in [1, {_MAX_INT32}]")
+        if max_tokens is None:
+            mt = None  # until max_model_len (resolved per request by the engine)
+        else:
+            mt = _int("max_tokens", max_tokens)
+            if not 1 <= mt <= _MAX_INT32:
+                raise ValueError(f"SamplingParams.max_tokens = {mt} must be None or in [1, {_MAX_INT32}]")
         values["max_tokens"] = mt
         mn = _int("min_tokens", min_tokens)
-        if not 0 <= mn <= mt:
+        if not 0 <= mn <= (_MAX_INT32 if mt is None else mt):
             raise ValueError(f"SamplingParams.min_tokens = {mn} must be in [0, max_tokens = {mt}]")
         values["min_tokens"] = mn
         values["stop"] = _stop_strings(stop)
@@ -279,6 +328,33 @@ class SamplingParams:
                 f"{type(output_kind).__name__} ({output_kind!r})"
             )
         values["output_kind"] = output_kind
+        nn = _int("n", n)
+        if not 1 <= nn <= MAX_N:
+            raise ValueError(f"SamplingParams.n = {nn} must be in [1, {MAX_N}]")
+        values["n"] = nn
+        for name, value in (
+            ("include_stop_str_in_output", include_stop_str_in_output),
+            ("skip_special_tokens", skip_special_tokens),
+            ("spaces_between_special_tokens", spaces_between_special_tokens),
+            ("detokenize", detokenize),
+        ):
+            if not isinstance(value, bool | np.bool_):
+                raise TypeError(
+                    f"SamplingParams.{name} must be a bool, got {type(value).__name__} ({value!r})"
+                )
+            values[name] = bool(value)
+        if values["stop"] and not values["detokenize"]:
+            raise ValueError(
+                "SamplingParams.stop needs detokenize=True (stop strings are matched on the text)"
+            )
+        values["logit_bias"] = _logit_bias(logit_bias)
+        allowed = _token_list("allowed_token_ids", allowed_token_ids)
+        if allowed is not None and not allowed:
+            raise ValueError(
+                "SamplingParams.allowed_token_ids is empty; give at least one id, or None for all"
+            )
+        values["allowed_token_ids"] = None if allowed is None else tuple(sorted(set(allowed)))
+        values["bad_words"] = _bad_words(bad_words)
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -307,6 +383,45 @@ class SamplingParams:
         kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         kwargs.update(changes)
         return SamplingParams(**kwargs)
+
+
+def _logit_bias(bias: Any) -> tuple[tuple[int, float], ...] | None:
+    """vLLM's ``{token_id: bias}`` as sorted ``(id, bias)`` pairs (immutable); ids >= 0, finite biases."""
+    if bias is None:
+        return None
+    if isinstance(bias, tuple) and all(isinstance(x, tuple) and len(x) == 2 for x in bias):
+        bias = dict(bias)  # the stored form, given back by replace()
+    if not isinstance(bias, Mapping):
+        raise TypeError(
+            f"SamplingParams.logit_bias must be a dict {{token_id: bias}}, got {type(bias).__name__}"
+        )
+    out = []
+    for key, value in bias.items():
+        token = (
+            int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else key
+        )  # JSON keys are strings
+        if not _is_int(token):
+            raise TypeError(f"SamplingParams.logit_bias key {key!r} must be a token id (int)")
+        if token < 0:
+            raise ValueError(f"SamplingParams.logit_bias key {token} must be a token id >= 0")
+        v = _float(f"logit_bias[{token}]", value)
+        if abs(v) > _F32_MAX:
+            raise ValueError(f"SamplingParams.logit_bias[{token}] = {value!r} does not fit float32")
+        out.append((int(token), v))
+    return tuple(sorted(out)) or None
+
+
+def _bad_words(words: Any) -> tuple[str, ...] | None:
+    if words is None:
+        return None
+    if isinstance(words, str) or not isinstance(words, Sequence):
+        raise TypeError(f"SamplingParams.bad_words must be a list of str, got {type(words).__name__}")
+    for i, w in enumerate(words):
+        if not isinstance(w, str):
+            raise TypeError(f"SamplingParams.bad_words[{i}] must be a str, got {type(w).__name__} ({w!r})")
+        if not w.strip():
+            raise ValueError(f"SamplingParams.bad_words[{i}] = {w!r} must hold a word")
+    return tuple(words) or None
 
 
 def _stop_strings(stop: Any) -> tuple[str, ...]:
@@ -366,6 +481,18 @@ def _seed(seq_seed: Any, seed: Any) -> int | None:
     return value
 
 
+def derive_seed(seed: int, index: int) -> int:
+    """The sampling seed of request ``index`` of a ``generate`` call when it gives no ``seq_seed``.
+
+    A SplitMix64 finaliser over ``(seed, index)``: distinct requests get unrelated 64-bit seeds, and the same
+    ``LLM(seed=)`` and batch reproduce them exactly.
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64_
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64_
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64_
+    return z ^ (z >> 31)
+
+
 def seed_words(seed: int) -> tuple[int, int]:
     """A 64-bit seed as ``(low, high)`` uint32 words, the form the device-side RNG carries (no uint64 on
     accelerators without x64)."""
@@ -423,19 +550,29 @@ def validate_request(
         raise ValueError(
             f"{where}prompt_token_ids[{i}] = {int(arr[i])} is outside the vocabulary [0, {vocab_size})"
         )
-    for name in ("stop_token_ids", "golden_token_ids"):
+    for name in ("stop_token_ids", "golden_token_ids", "allowed_token_ids"):
         for i, token in enumerate(getattr(params, name) or ()):
             if token >= vocab_size:
                 raise ValueError(
                     f"{where}sampling_params.{name}[{i}] = {token} is outside the vocabulary [0, {vocab_size})"
                 )
+    for token, _ in params.logit_bias or ():
+        if token >= vocab_size:
+            raise ValueError(
+                f"{where}sampling_params.logit_bias key {token} is outside the vocabulary [0, {vocab_size})"
+            )
     n = int(arr.size)
     if n >= max_model_len:
         raise ValueError(
             f"{where}prompt has {n} tokens; it must be shorter than max_model_len = {max_model_len} to leave "
             "room for an output token"
         )
-    if n + params.max_tokens > max_model_len:
+    if params.max_tokens is None and params.min_tokens > max_model_len - n:
+        raise ValueError(
+            f"{where}sampling_params.min_tokens = {params.min_tokens} exceeds the {max_model_len - n} tokens "
+            f"max_tokens=None leaves after a prompt of {n} tokens (max_model_len = {max_model_len})"
+        )
+    if params.max_tokens is not None and n + params.max_tokens > max_model_len:
         raise ValueError(
             f"{where}prompt length {n} + sampling_params.max_tokens {params.max_tokens} = "
             f"{n + params.max_tokens} exceeds max_model_len = {max_model_len}"

@@ -33,6 +33,7 @@ from deepinfer_jax.sampling.tensors import SamplingTensors
 __all__ = [
     "LOGPROB_VARIANTS",
     "PENDING_TOKEN",
+    "CacheCopies",
     "DeviceBatch",
     "PlanView",
     "ScheduledRow",
@@ -121,6 +122,11 @@ class DeviceBatch:
     """What one device's scheduler scheduled for a step: its rows, in row order (host objects only)."""
 
     rows: tuple[ScheduledRow, ...]
+    block_copies: tuple[tuple[int, int], ...] = ()
+    """``(source, destination)`` blocks copied at the start of the step, before any row runs (a fork's
+    copy-on-write of a shared partial block)."""
+    slot_copies: tuple[tuple[int, int], ...] = ()
+    """``(source, destination)`` state slots cloned at the start of the step (a fork's per-sequence state)."""
 
     @property
     def num_tokens(self) -> int:
@@ -176,6 +182,25 @@ class StepInputs(NamedTuple):
     prompt_lens: Any
     sampling: Any
     prompt_targets: Any = None
+    copies: Any = None
+
+
+class CacheCopies(NamedTuple):
+    """The block copies and state-slot clones a step makes before it runs its rows (forks of ``n > 1``).
+
+    Attributes:
+      block_src, block_dst: int32 ``[D, Kb]`` blocks copied (every layer's entries of the block); -1 = none.
+      slot_src, slot_dst: int32 ``[D, Ks]`` state slots cloned (window rings, compression state, the penalty
+        counts and the last sampled token); -1 = none.
+
+    Destinations are fresh (never a source of the same step), so the copies commute. ``Kb`` and ``Ks`` are
+    powers of two (at least 1); a step without copies has ``StepInputs.copies = None``.
+    """
+
+    block_src: Any
+    block_dst: Any
+    slot_src: Any
+    slot_dst: Any
 
 
 class PlanView(NamedTuple):
@@ -298,14 +323,23 @@ class StepPlan:
         return int(self.inputs.block_tables.shape[2])
 
     @property
-    def variant(self) -> tuple[int, int, int, int, int]:
-        """The key of the compiled step this plan needs: ``(T, S, mask width, num_logprobs, prompt width)``."""
+    def variant(self) -> tuple[int, ...]:
+        """The key of the compiled step this plan needs: ``(T, S, mask width, num_logprobs, prompt width,
+        logit-bias width, allowed-ids width)``."""
+        st = self.inputs.sampling
         return (
             self.padded_tokens,
             self.padded_seqs,
-            int(self.inputs.sampling.masked_ids.shape[2]),
+            int(st.masked_ids.shape[2]),
             self.num_logprobs,
             self.num_prompt_logprobs,
+            int(st.bias_ids.shape[2]),
+            int(st.allowed_ids.shape[2]),
+            *(
+                (-1, -1)
+                if self.inputs.copies is None
+                else (self.inputs.copies.block_src.shape[1], self.inputs.copies.slot_src.shape[1])
+            ),
         )
 
     @property
@@ -349,6 +383,21 @@ class StepPlan:
                 raise ValueError(f"StepPlan device {d}: {err}") from None
 
 
+def _bad_word_completions(req: Any) -> list[int]:
+    """The last token of every bad word whose other tokens end the output so far (vLLM's ``bad_words``): the
+    ids the request's next sample must not be."""
+    words = getattr(req, "bad_words_ids", ())
+    if not words:
+        return []
+    out = list(req.output_token_ids)
+    banned = set()
+    for w in words:
+        k = len(w) - 1
+        if k <= len(out) and (k == 0 or tuple(out[-k:]) == w[:-1]):
+            banned.add(w[-1])
+    return sorted(banned)
+
+
 def build_plan(
     batches: Sequence[DeviceBatch | None],
     *,
@@ -380,7 +429,7 @@ def build_plan(
     sample = np.zeros((d, s), np.bool_)
     prompt_lens = np.zeros((d, s), np.int32)
     targets: np.ndarray | None = None
-    params, seeds, sample_pos, output_lens, row_index = [], [], [], [], []
+    params, seeds, sample_pos, output_lens, row_index, extra = [], [], [], [], [], []
     wanted = prompt_wanted = 0
     for dev, batch in enumerate(batches):
         if batch is None:
@@ -410,6 +459,7 @@ def build_plan(
             sample_pos.append(context)
             output_lens.append(max(context - prompt_len, 0))
             row_index.append(dev * s + i)
+            extra.append(_bad_word_completions(req) if row.sample else ())
             wanted = max(wanted, p.logprobs or 0)
             if p.prompt_logprobs is not None:
                 inside = pos + 1 < prompt_len
@@ -431,8 +481,23 @@ def build_plan(
         banned_token_ids=banned_token_ids,
         num_rows=d * s,
         row_index=row_index,
+        extra_masked_ids=extra,
     )
     sampling = flat.reshape_rows(d, s)
+    copies = None
+    nb = max((len(b.block_copies) for b in real), default=0)
+    ns = max((len(b.slot_copies) for b in real), default=0)
+    if nb or ns:
+        kb, ks = (1 << max(k - 1, 0).bit_length() for k in (nb, ns))
+        arrays = [np.full((d, k), -1, np.int32) for k in (kb, kb, ks, ks)]
+        for dev, batch in enumerate(batches):
+            if batch is None:
+                continue
+            for j, (src, dst) in enumerate(batch.block_copies):
+                arrays[0][dev, j], arrays[1][dev, j] = src, dst
+            for j, (src, dst) in enumerate(batch.slot_copies):
+                arrays[2][dev, j], arrays[3][dev, j] = src, dst
+        copies = CacheCopies(*arrays)
     inputs = StepInputs(
         token_ids,
         positions,
@@ -445,6 +510,7 @@ def build_plan(
         prompt_lens,
         sampling,
         targets,
+        copies,
     )
     return StepPlan(
         inputs,

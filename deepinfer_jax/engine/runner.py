@@ -248,7 +248,7 @@ class EngineRunner:
                 if output.finished:
                     if keep_outputs:
                         finished.append(output)
-                    stats.generated_tokens += len(output.outputs[0].token_ids)
+                    stats.generated_tokens += sum(len(c.token_ids) for c in output.outputs)
                     stats.prompt_tokens += len(output.prompt_token_ids)
                     if on_finished is not None:
                         on_finished(output)

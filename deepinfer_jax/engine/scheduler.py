@@ -61,6 +61,7 @@ from deepinfer_jax.engine.params import (
     RequestMetrics,
     RequestOutput,
     SamplingParams,
+    derive_seed,
     validate_request,
 )
 from deepinfer_jax.engine.plan import DeviceBatch, ScheduledRow, StepPlan, build_plan, choose_bucket
@@ -128,6 +129,40 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
+        self.bad_words_ids: tuple[tuple[int, ...], ...] = ()
+        """``params.bad_words`` as token sequences (vLLM's rule: each word with and without a leading space)."""
+        # n > 1: this request computes the shared prompt once and forks into n children (docs/engine.md, "n").
+        self.parent: Request | None = None
+        self.index = 0
+        self.children: list[Request] | None = None
+        self.reserved_blocks: list[int] = []
+        self.reserved_slots: list[int] = []
+
+    @property
+    def is_group(self) -> bool:
+        """The request of ``n > 1`` samples (a parent, before or after it forked)."""
+        return self.params.n > 1 and self.parent is None
+
+    @property
+    def unforked(self) -> bool:
+        """A group that has not forked yet: it computes the prompt's first ``prompt_len - 1`` tokens."""
+        return self.is_group and self.children is None
+
+    @property
+    def feed_len(self) -> int:
+        """Tokens the scheduler may feed it: all known ones, or an unforked group's shared prefix."""
+        return self.prompt_len - 1 if self.unforked else self.total_len
+
+    @property
+    def width(self) -> int:
+        """Sequences it will occupy once forked (``n`` for an unforked group, else 1)."""
+        return self.params.n if self.unforked else 1
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Its next step's masks depend on the tokens generated so far (a bad word of several tokens), so it is
+        scheduled only once its previous token has reached the host."""
+        return any(len(w) > 1 for w in self.bad_words_ids)
 
     @property
     def prompt_len(self) -> int:
@@ -163,10 +198,49 @@ class Request:
         return self.tokens(0, self.num_known)
 
     def to_output(self, *, final: bool) -> RequestOutput:
-        """A :class:`RequestOutput` of the current state (copies of the lists unless ``final``)."""
+        """A :class:`RequestOutput` of the current state (copies of the lists unless ``final``); a group's holds
+        one completion per sample, in sample order."""
         copy = (lambda x: x) if final else (lambda x: None if x is None else list(x))
-        completion = CompletionOutput(
-            index=0,
+        if self.is_group:
+            samples = self.children or []
+            completions = [c.completion(copy) for c in samples]
+            completions += [
+                CompletionOutput(index=i, text="", token_ids=[], cumulative_logprob=None, logprobs=None)
+                for i in range(len(samples), self.params.n)
+            ]
+            metrics = dataclasses.replace(self.metrics)
+            for c in samples:
+                m = c.metrics
+                metrics.num_generated_tokens += m.num_generated_tokens
+                metrics.num_preemptions += m.num_preemptions
+                if m.first_token_time is not None and (
+                    metrics.first_token_time is None or m.first_token_time < metrics.first_token_time
+                ):
+                    metrics.first_token_time = m.first_token_time
+                if m.finish_time is not None:
+                    metrics.finish_time = max(metrics.finish_time or m.finish_time, m.finish_time)
+            return RequestOutput(
+                request_id=self.request_id,
+                prompt=self.prompt,
+                prompt_token_ids=self.prompt_token_ids.tolist(),
+                outputs=completions,
+                prompt_logprobs=copy(self.prompt_logprobs),
+                metrics=metrics,
+                finished=self.status is RequestStatus.FINISHED,
+            )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids.tolist(),
+            outputs=[self.completion(copy)],
+            prompt_logprobs=copy(self.prompt_logprobs),
+            metrics=self.metrics if final else dataclasses.replace(self.metrics),
+            finished=self.status is RequestStatus.FINISHED,
+        )
+
+    def completion(self, copy: Callable[[Any], Any]) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
             text=self.text,
             token_ids=copy(self.output_token_ids),
             cumulative_logprob=self.cumulative_logprob,
@@ -174,15 +248,6 @@ class Request:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             error=self.error,
-        )
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids.tolist(),
-            outputs=[completion],
-            prompt_logprobs=copy(self.prompt_logprobs),
-            metrics=self.metrics if final else dataclasses.replace(self.metrics),
-            finished=self.status is RequestStatus.FINISHED,
         )
 
     def __repr__(self) -> str:
@@ -310,6 +375,8 @@ class DeviceScheduler:
         self._running: list[Request] = []
         self._ready: list[RequestOutput] = []
         self._in_flight: dict[DeviceBatch, None] = {}
+        self._block_copies: list[tuple[int, int]] = []  # forks' copies, made by the next step
+        self._slot_copies: list[tuple[int, int]] = []
         self._order = 0
         self.stats = SchedulerStats()
 
@@ -355,6 +422,8 @@ class DeviceScheduler:
         ids = validate_request(
             prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
+        if params.max_tokens is None:  # vLLM's "until max_model_len"
+            params = params.replace(max_tokens=self.max_model_len - len(ids))
         if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
             raise TypeError(f"seed must be an int, got {type(seed).__name__} ({seed!r})")
         if not 0 <= seed < 2**64:
@@ -364,9 +433,9 @@ class DeviceScheduler:
                 f"sampling_params.stop = {list(params.stop)!r} needs a tokenizer to match text; this engine has none"
             )
         detok = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:
             # vLLM's default: special tokens (BOS/EOS/pad) do not appear in text; chat markers do.
-            detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+            detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
         now = self._clock() if arrival_time is None else float(arrival_time)
         req = Request(
             request_id,
@@ -379,10 +448,22 @@ class DeviceScheduler:
             max_model_len=self.max_model_len,
             detokenizer=detok,
         )
+        if params.bad_words:
+            req.bad_words_ids = self._bad_words_ids(params.bad_words)
         self._order += 1
         # The longest context ever cached: the last token sampled never enters the cache.
         most_blocks = blocks_for_tokens(req.max_total_len - 1, self.block_size)
         limit = min(self.blocks.capacity, self.max_blocks_per_seq)
+        if req.is_group:
+            # The shared prefix and a private copy of its last partial block for every other sample.
+            prefix = blocks_for_tokens(req.prompt_len - 1, self.block_size)
+            partial = (req.prompt_len - 1) % self.block_size != 0
+            most_blocks = max(most_blocks, prefix + (params.n - 1 if partial else 0))
+            if params.n > min(self.max_num_seqs, self.slots.capacity):
+                raise ValueError(
+                    f"sampling_params.n = {params.n} exceeds the {min(self.max_num_seqs, self.slots.capacity)} "
+                    "sequences one device runs at once (the n samples of a prompt run together)"
+                )
         if most_blocks > limit:
             self._requests[request_id] = req
             self._finish(
@@ -399,23 +480,66 @@ class DeviceScheduler:
         self._requests[request_id] = req
         self._waiting.append(req)
 
-    def get_request(self, request_id: str) -> Request:
-        """The state of an unfinished request (``KeyError`` once it has finished)."""
-        return self._requests[request_id]
-
     def abort(self, request_id: str) -> RequestOutput | None:
         """End an unfinished request now, with ``finish_reason="abort"``; returns its final output (``None`` when
-        no unfinished request has this id).
+        no unfinished request has this id). Used by ``AsyncLLM.abort`` (a caller, a client that disconnected);
+        :meth:`abort_all` is its counterpart for every request at once (``LLM``'s recovery after a failed run).
 
         Its blocks and state slot are freed at once, queued or running, even while a dispatched step still
         computes its next token: the device runs steps in order, so a later owner's writes land after that
-        step's, and the step's sample is dropped when it arrives (counted in ``stats.num_wasted_samples``).
+        step's, and the step's sample is dropped when it arrives (counted in ``stats.num_wasted_samples``). A
+        request with ``n`` samples ends with all of them.
         """
         req = self._requests.get(request_id)
         if req is None:
             return None
         self._finish(req, "abort")
         return req.to_output(final=True)
+
+    def abort_all(self) -> list[str]:
+        """After a failed run: forget every request and every step in flight and free every block and slot at
+        once, whatever state the failure left them in. Returns the ids of the requests dropped."""
+        dropped = list(self._requests)
+        for req in self._requests.values():
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = "abort"
+            req.block_ids, req.slot = [], -1
+        self._requests.clear()
+        self._waiting.clear()
+        self._running.clear()
+        self._ready.clear()
+        self._in_flight.clear()
+        self._block_copies.clear()
+        self._slot_copies.clear()
+        self.blocks.reset()
+        self.slots.reset()
+        return dropped
+
+    def _bad_words_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's tokenization of ``bad_words``: each word without and with a leading space (the latter only when it
+        is another token sequence of the same length)."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "sampling_params.bad_words needs a tokenizer to tokenize the words; this engine has none"
+            )
+        out: list[tuple[int, ...]] = []
+        for i, word in enumerate(words):
+            plain = tuple(self.tokenizer.encode(word.lstrip()))
+            if not plain:
+                raise ValueError(f"sampling_params.bad_words[{i}] = {word!r} tokenizes to no token")
+            out.append(plain)
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip()))
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        for w in out:
+            for t in w:
+                if not 0 <= t < self.vocab_size:
+                    raise ValueError(f"sampling_params.bad_words: token {t} is outside the vocabulary")
+        return tuple(dict.fromkeys(out))
+
+    def get_request(self, request_id: str) -> Request:
+        """The state of an unfinished request (``KeyError`` once it has finished)."""
+        return self._requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued or running, or a finished one has not been reported yet."""
@@ -439,30 +563,92 @@ class DeviceScheduler:
     def schedule(self) -> DeviceBatch | None:
         """This device's rows of the next step, or ``None`` when nothing can run now (everything waits for
         in-flight tokens, or there is no work)."""
+        for req in list(self._running):
+            if req.unforked and req.num_computed == req.feed_len:
+                self._fork(req)
         rows, tokens_left = self._schedule_running()
 
         while self._waiting and tokens_left > 0 and len(rows) < self.seq_budget:
-            if len(self._running) >= self.max_num_seqs:
-                break
             req = self._waiting[0]
+            if self._num_sequences() + req.width > self.max_num_seqs:
+                break
             if req.pending:
                 break  # a recompute needs every token on the host; strict FCFS waits for it
-            need = self.blocks.blocks_for(req.num_known)
-            if need > self.blocks.num_free or self.slots.num_free == 0:
+            need = self.blocks.blocks_for(req.feed_len)
+            # An unforked group also reserves its other samples' slots and copies of its partial last block.
+            spare = req.params.n - 1 if req.unforked and req.feed_len % self.block_size else 0
+            if need + spare > self.blocks.num_free or self.slots.num_free < req.width:
                 break
             self._waiting.popleft()
             req.block_ids = self.blocks.allocate(need)
             req.slot = self.slots.allocate_one()
+            if req.unforked:
+                req.reserved_blocks = self.blocks.allocate(spare)
+                req.reserved_slots = self.slots.allocate(req.width - 1)
             req.status = RequestStatus.RUNNING
             req.num_computed = 0
             self._running.append(req)
-            q = min(req.num_known, tokens_left)
-            rows.append(ScheduledRow(req, 0, q, q == req.num_known, False, False))
+            q = min(req.feed_len, tokens_left)
+            if q == 0:  # an unforked group of a one-token prompt: nothing is shared, it forks at once
+                self._fork(req)
+                continue
+            rows.append(ScheduledRow(req, 0, q, q == req.total_len, False, False))
             tokens_left -= q
 
         if not rows:
             return None
         return self._commit(self._fill_bucket(rows))
+
+    def _num_sequences(self) -> int:
+        return sum(r.width for r in self._running)
+
+    def _fork(self, parent: Request) -> None:
+        """Turn a group whose shared prefix (the prompt but its last token) is computed, or scheduled, into its
+        ``n`` samples. They share the prefix's full blocks (one more owner each); the last partial block is
+        copied for every sample but the first, and the parent's state slot is cloned into the slots it
+        reserved (copies made on the device before the next step's rows run). Sample ``i`` draws with
+        ``derive_seed(parent seed, i)`` and starts at the prompt's last token."""
+        n, m = parent.params.n, parent.feed_len
+        full = m // self.block_size
+        shared, last = parent.block_ids[:full], parent.block_ids[full:]
+        slots = [parent.slot, *parent.reserved_slots]
+        spare = list(parent.reserved_blocks)
+        params = parent.params.replace(n=1, prompt_logprobs=None)
+        children = []
+        for i in range(n):
+            child = Request(
+                f"{parent.request_id}#{i}",
+                parent.prompt_token_ids,
+                params,
+                seed=derive_seed(parent.seed, i),
+                prompt=parent.prompt,
+                arrival_time=parent.metrics.arrival_time,
+                order=parent.order,
+                max_model_len=self.max_model_len,
+                detokenizer=None
+                if parent.detokenizer is None
+                else IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens),
+            )
+            child.parent, child.index = parent, i
+            child.bad_words_ids = parent.bad_words_ids
+            child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
+            child.status = RequestStatus.RUNNING
+            child.num_computed = m
+            child.slot = slots[i]
+            if i == 0:
+                child.block_ids = list(shared) + list(last)
+            else:
+                self.blocks.share(shared)
+                own = [spare.pop()] if last else []
+                if last:
+                    self._block_copies.append((last[0], own[0]))
+                child.block_ids = list(shared) + own
+                self._slot_copies.append((slots[0], slots[i]))
+            children.append(child)
+        parent.children = children
+        parent.block_ids, parent.slot, parent.reserved_blocks, parent.reserved_slots = [], -1, [], []
+        at = self._running.index(parent)
+        self._running[at : at + 1] = children
 
     def _fill_bucket(self, rows: list[ScheduledRow]) -> list[ScheduledRow]:
         """Cut the step's prefill tokens to a bucket they fill, when the bucket they need is mostly padding.
@@ -523,8 +709,12 @@ class DeviceScheduler:
                     break
                 # Tokens still to feed: the rest of a prefill, or the one token whose cache entry the next
                 # decode writes (pending when it was sampled by a step not yet processed).
+                if req.pending and req.needs_host_tokens:
+                    continue  # its masks need the token still in flight
                 start = req.num_computed
-                q = min(req.total_len - start, tokens_left)
+                q = min(req.feed_len - start, tokens_left)
+                if q <= 0:
+                    continue
                 sample = start + q == req.total_len
                 if sample and req.total_len >= req.max_total_len:
                     continue  # its in-flight tokens complete it; stopping is certain
@@ -554,9 +744,15 @@ class DeviceScheduler:
         if req.block_ids:
             self.blocks.free(reversed(req.block_ids))
             req.block_ids = []
+        if req.reserved_blocks:
+            self.blocks.free(req.reserved_blocks)
+            req.reserved_blocks = []
         if req.slot >= 0:
             self.slots.free([req.slot])
             req.slot = -1
+        if req.reserved_slots:
+            self.slots.free(req.reserved_slots)
+            req.reserved_slots = []
 
     def _commit(self, rows: list[ScheduledRow]) -> DeviceBatch:
         """Account the step's rows (tokens now computed, samples now pending) and keep the batch in flight."""
@@ -572,7 +768,9 @@ class DeviceScheduler:
                 self.stats.num_decode_tokens += 1
             else:
                 self.stats.num_prefill_tokens += row.length
-        batch = DeviceBatch(tuple(rows))
+        batch = DeviceBatch(tuple(rows), tuple(self._block_copies), tuple(self._slot_copies))
+        self._block_copies.clear()
+        self._slot_copies.clear()
         self._in_flight[batch] = None
         self.stats.num_steps += 1
         self.stats.num_scheduled_tokens += batch.num_tokens
@@ -643,15 +841,33 @@ class DeviceScheduler:
             req.pending -= 1
             self._append_token(req, int(tokens[i]), i, arrays, now)
             if req.status is RequestStatus.FINISHED:
-                finished.append(req.to_output(final=True))
+                done = self._final_output(req)
+                if done is not None:
+                    finished.append(done)
             elif self.stream:
-                streamed.append(req.to_output(final=False))
+                streamed.append((req.parent or req).to_output(final=False))
         return finished + streamed + self.take_ready_outputs()
 
     def take_ready_outputs(self) -> list[RequestOutput]:
         """Outputs of requests that finished outside a step (those that can never fit the cache)."""
         ready, self._ready = self._ready, []
         return ready
+
+    def _final_output(self, req: Request) -> RequestOutput | None:
+        """The final output once ``req`` finished: its own, or its group's when it was the group's last running
+        sample (``None`` while siblings still run)."""
+        parent = req.parent
+        if parent is None:
+            return req.to_output(final=True)
+        if parent.status is RequestStatus.FINISHED:
+            return None  # the group ended already (aborted)
+        if any(c.status is not RequestStatus.FINISHED for c in parent.children or ()):
+            return None
+        parent.status = RequestStatus.FINISHED
+        parent.finish_reason = req.finish_reason
+        parent.metrics.finish_time = self._clock()
+        self._requests.pop(parent.request_id, None)
+        return parent.to_output(final=True)
 
     def _append_token(
         self, req: Request, token: int, row: int, arrays: dict[str, np.ndarray | None], now: float
@@ -700,7 +916,8 @@ class DeviceScheduler:
                 best = (idx, stop)
         if best is None:
             return False
-        req.text = req.text[: best[0]]
+        keep = best[0] + len(best[1]) if req.params.include_stop_str_in_output else best[0]
+        req.text = req.text[:keep]
         self._finish(req, "stop", stop_reason=best[1], flush_text=False)
         return True
 
@@ -718,7 +935,7 @@ class DeviceScheduler:
             token: Logprob(
                 value,
                 None if rk is None else int(rk[row]),
-                self._decode_one(token),
+                self._decode_one(token, req),
                 None if smaller is None else float(smaller[row]),
             )
         }
@@ -736,7 +953,7 @@ class DeviceScheduler:
                 alt = int(ids[row, j])
                 if alt not in entry:
                     below = None if top_smaller is None else float(top_smaller[row, j])
-                    entry[alt] = Logprob(float(lps[row, j]), j + 1, self._decode_one(alt), below)
+                    entry[alt] = Logprob(float(lps[row, j]), j + 1, self._decode_one(alt, req), below)
         return entry
 
     def _record_prompt_logprobs(
@@ -762,15 +979,15 @@ class DeviceScheduler:
             )
         for t, target_pos in targets:
             token = int(req.prompt_token_ids[target_pos])
-            entry = {token: Logprob(float(lp[t]), int(rk[t]), self._decode_one(token))}
+            entry = {token: Logprob(float(lp[t]), int(rk[t]), self._decode_one(token, req))}
             for j in range(n):
                 alt = int(ids[t, j])
                 if alt not in entry:
-                    entry[alt] = Logprob(float(lps[t, j]), j + 1, self._decode_one(alt))
+                    entry[alt] = Logprob(float(lps[t, j]), j + 1, self._decode_one(alt, req))
             req.prompt_logprobs[target_pos] = entry
 
-    def _decode_one(self, token: int) -> str | None:
-        if self.tokenizer is None:
+    def _decode_one(self, token: int, req: Request | None = None) -> str | None:
+        if self.tokenizer is None or (req is not None and not req.params.detokenize):
             return None
         return self.tokenizer.decode([token])
 
@@ -798,6 +1015,9 @@ class DeviceScheduler:
         elif req in self._waiting:
             self._waiting.remove(req)
         self._requests.pop(req.request_id, None)
+        for child in req.children or ():
+            if child.status is not RequestStatus.FINISHED:
+                self._finish(child, reason, error=error)
 
 
 # ------------------------------------------------------------------------------------ the engine's scheduler
@@ -927,6 +1147,15 @@ class Scheduler:
         self._assigned[device].pop(request_id, None)
         self._loads = None
         return self.devices[device].abort(request_id)
+
+    def abort_all(self) -> list[str]:
+        """Every device's :meth:`DeviceScheduler.abort_all`: nothing queued, running or in flight afterwards."""
+        dropped = [rid for s in self.devices for rid in s.abort_all()]
+        for assigned in self._assigned:
+            assigned.clear()
+        self._owner.clear()
+        self._loads = None
+        return dropped
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued or running, or a finished one has not been reported yet."""

@@ -43,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from deepinfer_jax.cache.ragged import make_meta
 from deepinfer_jax.engine.plan import StepInputs, StepPlan
-from deepinfer_jax.models.paged import PagedModel
+from deepinfer_jax.models.paged import PagedModel, copy_rows
 from deepinfer_jax.ops.selection import OpSelection, use_selection
 from deepinfer_jax.ops.tiling import BATCH_INVARIANT_TILE, token_scope
 from deepinfer_jax.parallel.manual import expert_count_layout, expert_counts, manual_params, param_specs
@@ -208,6 +208,10 @@ def device_step(
     many alternatives. ``sampler`` holds the engine-wide sampler settings (:class:`SamplerOptions`).
     """
     sampler = sampler or SamplerOptions()
+    if inputs.copies is not None:  # forks: copy-on-write blocks and cloned slots, before any row runs
+        c = inputs.copies
+        cache = model.copy_cache(cache, c.block_src, c.block_dst, c.slot_src, c.slot_dst)
+        state = StepState(*(copy_rows(a, c.slot_src, c.slot_dst) for a in state))
     num_seqs = inputs.seq_slots.shape[0]
     num_tokens = inputs.token_ids.shape[0]
     num_slots = state.last_tokens.shape[0]
@@ -481,6 +485,29 @@ class StepExecutor:
         fn = self._executable(plan, placed)
         self.cache, self.state, out = fn(self.params, self.cache, self.state, placed)
         return out
+
+    def recover(self) -> bool:
+        """After a failed run: make the cache and the per-slot state usable again. They are kept when they are
+        intact (the failure happened on the host); when a failed step consumed them (donated buffers deleted, or
+        arrays carrying the device error) both are created afresh. Returns True when they were re-created."""
+        try:
+            leaves = jax.tree.leaves((self.cache, self.state))
+            if any(leaf.is_deleted() for leaf in leaves):
+                raise RuntimeError("a failed step consumed the cache")
+            jax.block_until_ready(leaves)
+        except Exception:
+            self.cache = self._stacked(lambda: self.model.init_cache(self.num_blocks, self.num_slots))
+            self.reset_state()
+            return True
+        return False
+
+    def release(self) -> None:
+        """Drop the cache, the state and the compiled steps (``LLM.close``); the executor cannot run afterwards."""
+        for leaf in jax.tree.leaves((self.cache, self.state)):
+            if not leaf.is_deleted():
+                leaf.delete()
+        self.cache = self.state = None
+        self._compiled.clear()
 
     def reset_state(self) -> None:
         """Zero every device's per-slot state; the caches need no reset (every read follows its write)."""

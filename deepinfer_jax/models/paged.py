@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from deepinfer_jax.cache.plan import CacheLayout
 from deepinfer_jax.cache.ragged import RaggedMeta
 
-__all__ = ["CacheLayout", "PagedModel", "zeros"]
+__all__ = ["CacheLayout", "PagedModel", "copy_rows", "copy_tree", "zeros"]
 
 
 class PagedModel(abc.ABC):
@@ -46,6 +46,14 @@ class PagedModel(abc.ABC):
     @abc.abstractmethod
     def init_cache(self, num_blocks: int, num_slots: int, sharding: Any = None) -> Any:
         """A zeroed cache pytree for ``num_blocks`` blocks (block 0 reserved) and ``num_slots`` state slots."""
+
+    def copy_cache(
+        self, cache: Any, block_src: jax.Array, block_dst: jax.Array, slot_src: jax.Array, slot_dst: jax.Array
+    ) -> Any:
+        """The cache with blocks ``block_dst`` holding copies of ``block_src`` (every layer, every per-block
+        store) and state slots ``slot_dst`` holding clones of ``slot_src`` (every per-sequence store); -1
+        destinations are skipped. What a fork of ``n > 1`` samples does before its children run."""
+        raise NotImplementedError(f"{type(self).__name__} cannot copy cache blocks or state slots")
 
     @abc.abstractmethod
     def forward(
@@ -65,6 +73,21 @@ class PagedModel(abc.ABC):
         (``arange(T)``). With ``tile`` every per-token computation runs in fixed tiles of that many tokens
         (batch-invariant mode, :mod:`deepinfer_jax.ops.tiling`).
         """
+
+
+def copy_rows(x: jax.Array, src: jax.Array, dst: jax.Array, axis: int = 0) -> jax.Array:
+    """``x`` with its entries ``dst`` along ``axis`` replaced by its entries ``src`` (int32 ``[K]`` each; a
+    negative destination skips its pair). The destinations are distinct and never sources, so the copies
+    commute."""
+    n = x.shape[axis]
+    rows = jnp.take(x, jnp.clip(src, 0, n - 1), axis=axis)
+    index = (slice(None),) * axis + (jnp.where(dst >= 0, dst, n),)
+    return x.at[index].set(rows, mode="drop")
+
+
+def copy_tree(tree: Any, src: jax.Array, dst: jax.Array, axis: int = 0) -> Any:
+    """:func:`copy_rows` on every array leaf of ``tree`` (``None`` leaves stay ``None``)."""
+    return jax.tree.map(lambda x: copy_rows(x, src, dst, axis), tree)
 
 
 def zeros(shape: tuple[int, ...], dtype: Any, sharding: Any = None) -> jax.Array:

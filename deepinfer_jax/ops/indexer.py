@@ -16,8 +16,10 @@ of the masked dense scores.
 Visibility: entry ``j`` of token ``t``'s row competes iff ``j < limit[t]`` (``(p + 1) // r`` for a real token,
 0 for padding), its page is allocated, and -- for candidate consumers (§7.6) -- its candidate block
 ``j // candidate_block_size`` is set in ``candidates [T, NB]``. The result is ``[T, k]`` compressed indices,
-``-1`` where fewer than ``k`` entries compete. The ``pallas_gpu`` kernel replaces the per-chunk scorer (keys decoded
-in registers, ``pallas_kernels/indexer.py``); the merge stays ``lax.top_k``.
+``-1`` where fewer than ``k`` entries compete. The reference scores a chunk one page at a time (each page's records
+gathered for every token and decoded: ``[T, E, Di]`` float32), so its working set is one page per token whatever
+the chunk. The ``pallas_gpu`` kernel replaces the per-chunk scorer (keys decoded in registers,
+``pallas_kernels/indexer.py``); the merge stays ``lax.top_k``.
 """
 
 from __future__ import annotations
@@ -59,6 +61,38 @@ def merge_topk(
     return top, jnp.take_along_axis(ids, pos, axis=1)
 
 
+def _page_scores(
+    q: jax.Array,
+    weights: jax.Array,
+    pages: jax.Array,
+    block_tables: jax.Array,
+    rows: jax.Array,
+    limit: jax.Array,
+    candidates: jax.Array | None,
+    first: jax.Array,
+    *,
+    key_format: str | None,
+    candidate_block_size: int | None,
+) -> jax.Array:
+    """Float32 scores ``[T, E]`` of the ``E`` entries of one page of every token's row, from entry ``first``."""
+    num_blocks, per_page = pages.shape[0], pages.shape[1]
+    max_blocks = block_tables.shape[1]
+    j = first + jnp.arange(per_page, dtype=jnp.int32)  # [E]
+    col = jnp.clip(j // per_page, 0, max_blocks - 1)
+    blk = block_tables[rows[:, None], col[None, :]]  # [T, E]
+    ok = (blk >= 0) & (j[None, :] < limit[:, None]) & (j[None, :] // per_page < max_blocks)
+    if candidates is not None:
+        assert candidate_block_size is not None
+        cb = jnp.clip(j // candidate_block_size, 0, candidates.shape[1] - 1)
+        ok = ok & jnp.take(candidates, cb, axis=1)
+    safe = jnp.where(ok, blk, num_blocks)
+    stored = pages.at[safe, (j % per_page)[None, :]].get(mode="fill", fill_value=0)  # [T, E, ...]
+    keys = decode_keys(stored, key_format, q.shape[-1])
+    dots = jnp.einsum("thd,ted->the", q.astype(jnp.float32), keys, precision=_HIGHEST)
+    s = jnp.einsum("the,th->te", jax.nn.relu(dots), weights.astype(jnp.float32), precision=_HIGHEST)
+    return jnp.where(ok, s, -jnp.inf)
+
+
 def reference_scorer(
     q: jax.Array,
     weights: jax.Array,
@@ -73,23 +107,33 @@ def reference_scorer(
     key_format: str | None,
     candidate_block_size: int | None,
 ) -> jax.Array:
-    """The jnp scorer: gather the chunk's records, decode, ``Σ_h w · ReLU(q · k)`` in float32 (``HIGHEST``)."""
-    num_blocks, per_page = pages.shape[0], pages.shape[1]
-    max_blocks = block_tables.shape[1]
-    j = first + jnp.arange(num_entries, dtype=jnp.int32)  # [C]
-    col = jnp.clip(j // per_page, 0, max_blocks - 1)
-    blk = block_tables[rows[:, None], col[None, :]]  # [T, C]
-    ok = (blk >= 0) & (j[None, :] < limit[:, None]) & (j[None, :] // per_page < max_blocks)
-    if candidates is not None:
-        assert candidate_block_size is not None
-        cb = jnp.clip(j // candidate_block_size, 0, candidates.shape[1] - 1)
-        ok = ok & jnp.take(candidates, cb, axis=1)
-    safe = jnp.where(ok, blk, num_blocks)
-    stored = pages.at[safe, (j % per_page)[None, :]].get(mode="fill", fill_value=0)  # [T, C, ...]
-    keys = decode_keys(stored, key_format, q.shape[-1])
-    dots = jnp.einsum("thd,tcd->thc", q.astype(jnp.float32), keys, precision=_HIGHEST)
-    s = jnp.einsum("thc,th->tc", jax.nn.relu(dots), weights.astype(jnp.float32), precision=_HIGHEST)
-    return jnp.where(ok, s, -jnp.inf)
+    """The jnp scorer: ``Σ_h w · ReLU(q · k)`` in float32 (``HIGHEST``), one page of the chunk at a time.
+
+    Each page's records are gathered for every token and decoded (``[T, E, Di]`` float32), so the working set is
+    one page per token whatever the chunk; the chunk's scores ``[T, num_entries]`` are what the merge needs.
+    """
+    per_page = pages.shape[1]
+    if num_entries % per_page:
+        raise ValueError(
+            f"v4_indexer_topk: a chunk of {num_entries} entries is not whole pages of {per_page}"
+        )
+
+    def one(i: jax.Array) -> jax.Array:
+        return _page_scores(
+            q,
+            weights,
+            pages,
+            block_tables,
+            rows,
+            limit,
+            candidates,
+            first + i * per_page,
+            key_format=key_format,
+            candidate_block_size=candidate_block_size,
+        )
+
+    scores = lax.map(one, jnp.arange(num_entries // per_page, dtype=jnp.int32))  # [P, T, E]
+    return jnp.moveaxis(scores, 0, 1).reshape(q.shape[0], num_entries)
 
 
 def streaming_topk(

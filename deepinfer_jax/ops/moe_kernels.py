@@ -35,7 +35,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from deepinfer_jax.numerics import qlinear
-from deepinfer_jax.ops.registry import REFERENCE, OpRegistry, default_registry, register_impl, register_op
+from deepinfer_jax.ops.registry import (
+    REFERENCE,
+    OpRegistry,
+    active_policy,
+    default_registry,
+    register_impl,
+    register_op,
+)
 
 __all__ = [
     "ExpertLayoutImpl",
@@ -150,6 +157,10 @@ def _select(
         return functools.partial(
             registry.select(name, backend=backend, platform="gpu", strict=True).fn, interpret=True
         )
+    if platform is None:
+        # The platform the active op selection chose for (a CPU host exporting a step for CUDA selects for
+        # "gpu"), else jax.default_backend().
+        platform = getattr(active_policy(), "platform", None)
     return registry.select(name, backend=backend, platform=platform).fn
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "TokenScope",
     "current_scope",
     "rowwise",
+    "rowwise_carry",
     "tile_rows",
     "tiled_map",
     "token_scope",
@@ -120,3 +121,29 @@ def rowwise(fn: Callable[..., Any], tile: int | None, *args: jax.Array) -> Any:
     n = args[0].shape[0]
     out = tiled_map(lambda xs: fn(*xs), tuple(tile_rows(a, tile) for a in args), tile, n)
     return jax.tree.map(lambda a: untile_rows(a, n), out)
+
+
+def rowwise_carry(
+    fn: Callable[..., tuple[Any, Any]],
+    tile: int | None,
+    carry: Any,
+    *args: jax.Array,
+    fills: tuple[Any, ...] | None = None,
+) -> tuple[Any, Any]:
+    """``fn(carry, *args) -> (carry, out)`` for row-major ``args``, optionally in fixed tiles threaded through
+    ``carry``.
+
+    :func:`rowwise` for computations that also update one array -- a paged write whose per-row work must run in
+    fixed tiles: with a tile, ``lax.scan`` hands each ``[tile, ...]`` part of ``args`` to ``fn`` with the carry
+    the previous tile returned. The last tile's padding rows are filled with ``fills`` (one value per argument,
+    default 0; e.g. ``-1`` for slots that a write skips) and their outputs cut off.
+    """
+    if tile is None:
+        return fn(carry, *args)
+    n = args[0].shape[0]
+    fills = (0,) * len(args) if fills is None else fills
+    if len(fills) != len(args):
+        raise ValueError(f"rowwise_carry: {len(fills)} fills for {len(args)} arguments")
+    tiled = tuple(tile_rows(a, tile, f) for a, f in zip(args, fills, strict=True))
+    carry, out = jax.lax.scan(lambda c, xs: fn(c, *xs), carry, tiled)
+    return carry, jax.tree.map(lambda a: untile_rows(a, n), out)

@@ -153,10 +153,11 @@ def manual_params(params: Any, mesh: Mesh) -> Any:
     A layer laid out for another mesh is refused: its slots would be split for a different EP group size.
     """
     _, ep = mesh_sizes(mesh)
-    platform = mesh.devices.flat[0].platform
 
     def one(path: Any, x: Any) -> Any:
         if isinstance(x, SlotExperts):
+            # Read only here: an abstract mesh (a step lowered for export) has no devices, and no slot layout.
+            platform = mesh.devices.flat[0].platform
             if x.mesh != mesh:
                 raise ValueError(
                     f"params: a MoE layer is laid out for mesh {dict(x.mesh.shape)}, but the step runs on "

@@ -2,11 +2,13 @@
 
 Per row, in float32, in this order:
 
-1. **penalties** on the raw logits: repetition (vLLM semantics: for ids in the prompt or the output, a positive
+0. ``logit_bias`` (vLLM's ``{id: bias}``) is added to the raw logits;
+1. **penalties** on the biased logits: repetition (vLLM semantics: for ids in the prompt or the output, a positive
    logit is divided by the penalty and a non-positive one multiplied by it), then frequency
    (``- f · output count``) and presence (``- p · [count > 0]``), both over the output only;
 2. **masks**: the row's ``masked_ids`` (banned ids; EOS and stop ids before ``min_tokens``; EOS before
-   ``first_n_token_no_eos``) become -inf; with ``force_top_k = k > 0`` (an engine setting) every id outside the
+   ``first_n_token_no_eos``; the step's ``bad_words`` completions) become -inf, and so does every id outside a
+   row's ``allowed_token_ids``; with ``force_top_k = k > 0`` (an engine setting) every id outside the
    row's top k (ties by ascending id) too;
 3. **greedy** rows (temperature 0) take the exact argmax here, lowest id on ties, and use no random number;
 4. a row with a **golden** token (teacher forcing) emits it whatever was drawn;
@@ -247,10 +249,18 @@ def _sample_row(
     sum_smaller: bool,
 ) -> SampleOutput:
     raw = logits.astype(jnp.float32)
+    vocab = raw.shape[-1]
     x = raw
+    if row.bias_ids.shape[-1]:
+        # vLLM's logit_bias: added to the raw logits, before the penalties.
+        x = x.at[jnp.where(row.bias_ids >= 0, row.bias_ids, vocab)].add(row.bias_values, mode="drop")
     if counts is not None:
         x = apply_penalties(x, counts, row.repetition_penalty, row.presence_penalty, row.frequency_penalty)
     x = apply_masks(x, row.masked_ids)
+    if row.allowed_ids.shape[-1]:
+        ids = jnp.where(row.allowed_ids >= 0, row.allowed_ids, vocab)
+        allowed = jnp.zeros((vocab,), jnp.bool_).at[ids].set(True, mode="drop")
+        x = jnp.where((row.allowed_ids[0] < 0) | allowed, x, _NEG_INF)
     if force_top_k:
         x = _force_top_k(x, min(force_top_k, x.shape[-1]))
     ok = ~jnp.any(jnp.isnan(raw)) & ~jnp.any(raw == jnp.inf) & jnp.any(jnp.isfinite(x))

@@ -13,7 +13,11 @@ Masks. The ids a row must never produce *in this step* are given as a short padd
 rather than a ``[S, V]`` boolean mask (hundreds of bytes per step instead of megabytes): the engine-wide banned
 ids, plus — while a request has produced fewer than ``min_tokens`` tokens — its EOS ids (unless ``ignore_eos``)
 and its ``stop_token_ids`` (vLLM's semantics of ``min_tokens``). ``K`` is rounded up to a power of two so that
-varying stop lists cost at most a handful of compiled variants.
+varying stop lists cost at most a handful of compiled variants. The ids a caller bans for one step only (vLLM's
+``bad_words``, which depend on the tokens generated so far) join the same list (``extra_masked_ids``).
+
+``logit_bias`` (``{id: bias}``) and ``allowed_token_ids`` travel the same way, as padded ``[S, K]`` lists whose
+width is a power of two (0 when no row of the step uses them, so steps without them pay nothing).
 """
 
 from __future__ import annotations
@@ -80,6 +84,10 @@ class SamplingTensors(NamedTuple):
       position: int32 ``[S]`` 0-based position of the token this row samples.
       masked_ids: int32 ``[S, K]`` ids whose logit is -inf this step; -1 = unused entry.
       golden: int32 ``[S]`` the token the row must emit (teacher forcing: ``golden_token_ids``), -1 = sample.
+      bias_ids, bias_values: int32 / float32 ``[S, Kb]`` ``logit_bias`` entries added to the raw logits; -1 =
+        unused entry (``Kb = 0`` when no row has a bias).
+      allowed_ids: int32 ``[S, Ka]`` ``allowed_token_ids``: a row whose first entry is >= 0 may only produce
+        these ids; -1 = unused entry (``Ka = 0`` when no row restricts).
     """
 
     temperature: Any
@@ -93,6 +101,9 @@ class SamplingTensors(NamedTuple):
     position: Any
     masked_ids: Any
     golden: Any
+    bias_ids: Any
+    bias_values: Any
+    allowed_ids: Any
 
     @property
     def num_rows(self) -> int:
@@ -117,6 +128,7 @@ class SamplingTensors(NamedTuple):
         num_rows: int | None = None,
         mask_width: int | None = None,
         row_index: Sequence[int] | None = None,
+        extra_masked_ids: Sequence[Sequence[int]] | None = None,
     ) -> SamplingTensors:
         """Convert the parameters of the rows sampled in one step to padded numpy arrays.
 
@@ -133,6 +145,7 @@ class SamplingTensors(NamedTuple):
           mask_width: ``K``, the width of ``masked_ids``; default the smallest power of two that fits.
           row_index: the row of each entry of ``params_list`` among the ``num_rows`` (distinct, in
             ``[0, num_rows)``); default the first ``len(params_list)`` rows. The other rows are padding.
+          extra_masked_ids: per entry of ``params_list``, more ids to mask in this step only (``bad_words``).
 
         Raises:
           TypeError / ValueError: a malformed argument, or a parameter outside its range; the message names the
@@ -161,6 +174,8 @@ class SamplingTensors(NamedTuple):
 
         out = _neutral(rows, vocab)
         masks: list[list[int]] = []
+        biases: list[tuple[int, list[int], list[float]]] = []
+        allows: list[tuple[int, list[int]]] = []
         for j, p in enumerate(params_list):
             i = int(where[j])
             missing = [f for f in ROW_FIELDS if not hasattr(p, f)]
@@ -207,6 +222,15 @@ class SamplingTensors(NamedTuple):
             if outs[j] < getattr(p, "first_n_token_no_eos", 0):
                 row_mask.update(eos)
             masks.append(sorted(row_mask))
+            if extra_masked_ids is not None and extra_masked_ids[j]:
+                row_mask.update(_id_list(f"{field}.bad_words", extra_masked_ids[j], vocab))
+            bias = getattr(p, "logit_bias", None)
+            if bias:
+                ids = _id_list(f"{field}.logit_bias", [t for t, _ in bias], vocab)
+                biases.append((i, ids, [float(b) for _, b in bias]))
+            allowed = getattr(p, "allowed_token_ids", None)
+            if allowed:
+                allows.append((i, _id_list(f"{field}.allowed_token_ids", allowed, vocab)))
             golden = getattr(p, "golden_token_ids", None)
             if golden is not None and outs[j] < len(golden):
                 token = _id_list(f"{field}.golden_token_ids", (golden[outs[j]],), vocab)[0]
@@ -225,7 +249,24 @@ class SamplingTensors(NamedTuple):
         masked = np.full((rows, width), -1, np.int32)
         for j, m in enumerate(masks):
             masked[where[j], : len(m)] = m
-        return cls(masked_ids=masked, **out)
+        kb = _width(max((len(b[1]) for b in biases), default=0))
+        bias_ids = np.full((rows, kb), -1, np.int32)
+        bias_values = np.zeros((rows, kb), np.float32)
+        for i, ids, values in biases:
+            bias_ids[i, : len(ids)] = ids
+            bias_values[i, : len(ids)] = values
+        ka = _width(max((len(a[1]) for a in allows), default=0))
+        allowed_ids = np.full((rows, ka), -1, np.int32)
+        for i, ids in allows:
+            allowed_ids[i, : len(ids)] = ids
+        return cls(
+            masked_ids=masked, bias_ids=bias_ids, bias_values=bias_values, allowed_ids=allowed_ids, **out
+        )
+
+
+def _width(needed: int) -> int:
+    """0 for nothing, else the smallest power of two that holds ``needed`` entries."""
+    return 0 if needed == 0 else 1 << (needed - 1).bit_length()
 
 
 def _neutral(rows: int, vocab: int) -> dict[str, np.ndarray]:

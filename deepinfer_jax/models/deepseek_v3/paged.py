@@ -5,7 +5,7 @@ Every layer writes each token's MLA latent (``c`` and the rotated ``k_pe``) into
 (the absorbed form: queries are mapped into the latent space by ``W_UK``, outputs out of it by ``W_UV``). The
 MLP/MoE block is the contiguous model's own (``deepseek_v3.model.feed_forward``), so both paths share one
 implementation of DeepSeekMoE. In batch-invariant mode every per-token computation runs in fixed tiles
-(:func:`~deepinfer_jax.engine.paged_model.rowwise`), the attention included.
+(:func:`~deepinfer_jax.ops.tiling.rowwise`), the attention included.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from deepinfer_jax.config.v3 import DeepseekV3Config
 from deepinfer_jax.models.common import embed_tokens, linear, lm_head
 from deepinfer_jax.models.deepseek_v3 import model as v3_model
 from deepinfer_jax.models.deepseek_v3.attention import mla_project
-from deepinfer_jax.models.paged import CacheLayout, PagedModel
+from deepinfer_jax.models.paged import CacheLayout, PagedModel, copy_tree
 from deepinfer_jax.ops.registry import select
 from deepinfer_jax.ops.tiling import rowwise
 
@@ -117,7 +117,8 @@ def paged_decoder_layer(
         return x + v3_model.feed_forward(rms_norm(x, p["post_attn_norm"], eps=eps)[None], p["mlp"], pl)[0]
 
     q_lat, q_pe, entries = rowwise(project, tile, x, cos, sin)
-    cache = write_tokens(cache, layer, entries, meta.blocks, meta.offsets)
+    # kv_rank: an FP8 latent record of V3's real 512 + 64 does not tell its latent width by its size alone.
+    cache = write_tokens(cache, layer, entries, meta.blocks, meta.offsets, kv_rank=cfg.kv_lora_rank)
 
     def attend(q_lat: jax.Array, q_pe: jax.Array, token_seq: jax.Array, positions: jax.Array) -> jax.Array:
         return select("paged_mla_attention")(
@@ -208,6 +209,10 @@ class V3PagedModel(PagedModel):
 
     def init_cache(self, num_blocks: int, num_slots: int) -> Any:
         return init_latent_cache(self.latent_spec(num_blocks))
+
+    def copy_cache(self, cache: Any, block_src: Any, block_dst: Any, slot_src: Any, slot_dst: Any) -> Any:
+        """The latent pages ``[layers, blocks, block_size, width]`` (V3 keeps no per-slot state in the cache)."""
+        return copy_tree(cache, block_src, block_dst, axis=1)
 
     def forward(
         self,

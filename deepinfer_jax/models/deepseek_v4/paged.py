@@ -19,25 +19,30 @@ A layer of a step (``T`` tokens of many rows, each at its own position, prefill 
 2. the window keys of each token from this step's keys or the slot's ring
    (:func:`~deepinfer_jax.cache.ragged.history`), then the ring update;
 3. compressed layers: the tokens that complete an entry (``(p + 1) % r == 0``, at most ``T // r + S`` of them)
-   gather the ``r``/``2r`` projections they pool (:func:`~deepinfer_jax.cache.ragged.history` with ``index=``), pool
-   them with op ``v4_compressor_pool``, normalise, rotate to the entry's first position and write the entry
-   into its page -- before any query reads, so later tokens of the same step (and the emitting token itself)
-   see it, as in the contiguous model;
-4. attention with sinks as one online softmax: the window part, then for HCA every visible entry, walked page
-   by page (:func:`~deepinfer_jax.cache.paged_walk.paged_attend_all`), and for CSA the indexer's top-k:
-   indexer keys scored page by page (:func:`~deepinfer_jax.cache.paged_walk.paged_scores`, op
-   ``v4_indexer_scores``), the best ``index_topk`` visible entries gathered and attended;
+   gather the ``r``/``2r`` projections they pool (:func:`~deepinfer_jax.cache.ragged.history` with ``index=``), and
+   op ``v4_compress_store`` pools them, normalises, rotates the entry to its first position, encodes it and writes
+   it at its flat page row -- before any query reads, so later tokens of the same step (and the emitting token
+   itself) see it, as in the contiguous model;
+4. attention with sinks: window-only and CSA layers through op ``v4_sparse_attention`` over the stored window keys
+   and, for CSA, the lightning indexer's top-k (op ``v4_indexer_topk`` over the stored indexer keys, streaming over
+   the pages; :func:`~deepinfer_jax.ops.sparse_attention.entry_slots` turns the selection into page rows); HCA
+   layers as one online softmax over the window and every visible entry, walked page by page
+   (:func:`~deepinfer_jax.cache.paged_walk.paged_attend_all`);
 5. de-rotation, the grouped output projection, mHC, and the (hash- or score-routed) MoE of the model itself
    (``moe_layer`` on a ``[1, T, H]`` view).
 
 Temporary memory per layer scales with the step's tokens times what each reads (``W`` window keys, ``k``
-selected entries, one page while walking) plus ``[T, entries]`` indexer scores, never with the cache.
+selected entries, one page while walking or scoring) plus the indexer's running top-k and one scored chunk,
+never with the cache.
 
 **Cache formats.** ``cache_dtype="float32"`` / ``"bfloat16"`` store keys unquantised in that dtype (the mode's
 own round trips applied first). ``cache_dtype="quantized"`` stores the production records as bytes
 (:mod:`deepinfer_jax.numerics.kv_records`): MXFP8 window keys, FP4 (E2M1 + E4M3 per 16) compressed entries and
 MXFP4 indexer keys; every reader, the step that wrote a key included, sees its decoded value, which is the
-round trip the bfloat16 model applies (spec §12.4). Compression state is float32 in every mode.
+round trip the bfloat16 model applies (spec §12.4). Compression state is float32 in every mode. The ops read and
+write the keys in their stored format (``KeyStore.op_format``); unquantised keys with the bfloat16 mode's cache
+casts are pooled and cast here and only written by an op (``kv_store_records``), since ``v4_compress_store``
+cannot apply a cast between its RoPE and its write.
 """
 
 from __future__ import annotations
@@ -54,11 +59,10 @@ from deepinfer_jax.cache import paged_walk as pw
 from deepinfer_jax.cache.ragged import (
     RaggedMeta,
     compressed_slots,
-    gather_entries,
     history,
+    page_rows,
     ring_write,
     rowwise_meta,
-    write_entries,
 )
 from deepinfer_jax.cache.stores import CompressedCache, KeyStore, key_cache_storage, key_store
 from deepinfer_jax.config.v4 import DeepseekV4Config
@@ -73,9 +77,10 @@ from deepinfer_jax.models.deepseek_v4.attention import (
 )
 from deepinfer_jax.models.deepseek_v4.mhc import hc_collapse, hc_expand, hc_head, hc_mixes
 from deepinfer_jax.models.deepseek_v4.model import V4Plan, moe_layer, numerics_for
-from deepinfer_jax.models.paged import CacheLayout, PagedModel
+from deepinfer_jax.models.paged import CacheLayout, PagedModel, copy_tree
 from deepinfer_jax.ops import apply_rope, rms_norm, rope_cos_sin
 from deepinfer_jax.ops import get as get_op
+from deepinfer_jax.ops.sparse_attention import entry_slots
 from deepinfer_jax.ops.tiling import rowwise
 
 __all__ = ["V4PagedModel", "cache_storage", "paged_model"]
@@ -265,6 +270,15 @@ class V4PagedModel(PagedModel):
             + tuple(rings(s, s.index_dim) for s in sparse),
         )
 
+    def copy_cache(self, cache: Any, block_src: Any, block_dst: Any, slot_src: Any, slot_dst: Any) -> Any:
+        """Compressed and indexer pages by block; window rings and compression state by slot."""
+        return cache._replace(
+            window=copy_tree(cache.window, slot_src, slot_dst),
+            kv=copy_tree(cache.kv, block_src, block_dst),
+            ik=copy_tree(cache.ik, block_src, block_dst),
+            state=copy_tree(cache.state, slot_src, slot_dst),
+        )
+
     # ------------------------------------------------------------------------------------------ forward
 
     def forward(
@@ -359,16 +373,12 @@ class V4PagedModel(PagedModel):
                 )
 
         def attend(m: RaggedMeta, t: dict[str, jax.Array]) -> jax.Array:
-            """The read-only attention of tokens ``t`` (the window part, then the compressed part, sinks)."""
-            state = pw.attend_dense(t["q"], self.window.decode(t["items"], act), t["present"], scale=scale)
-            if sparse:
-                state = pw.merge_softmax(
-                    state,
-                    self._sparse_part(
-                        t["q"], t["qi"], t["w"], cache["kv"][kv_page], cache["ik"][ik_page], spec, m, act
-                    ),
+            """The read-only attention of tokens ``t``: window (stored keys), compressed entries, sinks."""
+            if compressed and not sparse:
+                # HCA: every visible entry, one page at a time, in the same online softmax as the window.
+                state = pw.attend_dense(
+                    t["q"], self.window.decode(t["items"], act), t["present"], scale=scale
                 )
-            elif compressed:
                 state = pw.merge_softmax(
                     state,
                     pw.paged_attend_all(
@@ -382,7 +392,22 @@ class V4PagedModel(PagedModel):
                         decode=lambda e: self.compressed.decode(e, act),
                     ),
                 )
-            return pw.finish_softmax(state, p["sinks"]).astype(act)
+                return pw.finish_softmax(state, p["sinks"]).astype(act)
+            pages = slots = None
+            if sparse:
+                pages = cache["kv"][kv_page]
+                slots = self._select(t["qi"], t["w"], cache["ik"][ik_page], spec, m)
+            return get_op("v4_sparse_attention")(
+                t["q"],
+                t["items"],
+                t["present"],
+                p["sinks"],
+                pages,
+                slots,
+                scale=scale,
+                window_format=self.window.op_format,
+                compressed_format=self.compressed.op_format,
+            )
 
         token_inputs = {"q": pr["q"], "items": items, "present": present}
         if sparse:
@@ -448,54 +473,74 @@ class V4PagedModel(PagedModel):
             hg = jnp.concatenate([hg[:, :ratio, :width], hg[:, ratio:, width:]], axis=1)
         # Padding emitters have no position at all: give them finite gates so no NaN is ever computed.
         hg = jnp.where(jnp.any(present, axis=1)[:, None, None], hg, 0.0)
-        pooled = get_op("v4_compressor_pool")(hk, hg).astype(act)  # [E, W]
-        normed = rms_norm(pooled, cp["norm"], eps=spec.eps)
         safe = jnp.clip(emitters, 0, meta.num_tokens - 1)
         first = ((meta.positions[safe] + 1) // ratio - 1) * ratio
         cos, sin = rope_cos_sin(first, spec.freqs())
-        entries = store.encode(apply_rope(normed, cos, sin, rope_dim=spec.rope_dim))
-        _, _, blocks, offsets = compressed_slots(meta, ratio, self.block_size, pages.shape[0])
-        target = blocks.at[emitters].get(mode="fill", fill_value=pages.shape[0])
-        pages = write_entries(pages, entries, target, offsets.at[emitters].get(mode="fill", fill_value=0))
+        num_blocks = pages.shape[0]
+        _, _, blocks, offsets = compressed_slots(meta, ratio, self.block_size, num_blocks)
+        slots = page_rows(
+            blocks.at[emitters].get(mode="fill", fill_value=num_blocks),
+            offsets.at[emitters].get(mode="fill", fill_value=0),
+            self.block_size // ratio,
+            num_blocks,
+        )  # [E] flat page rows, -1 = nothing to write
+        if store.encodes_in_ops:
+            pages, _ = get_op("v4_compress_store")(
+                pages,
+                hk,
+                hg,
+                cp["norm"],
+                cos,
+                sin,
+                slots,
+                eps=spec.eps,
+                rope_dim=spec.rope_dim,
+                key_format=store.op_format,
+                entry_dtype=act,
+            )
+        else:
+            # Plain values with the mode's cast (a bfloat16 model over an unquantised cache): the cast sits
+            # between the RoPE and the store, so the pooling runs here and only the write is an op.
+            pooled = get_op("v4_compressor_pool")(hk, hg).astype(act)  # [E, W]
+            normed = rms_norm(pooled, cp["norm"], eps=spec.eps)
+            entries = store.op_values(apply_rope(normed, cos, sin, rope_dim=spec.rope_dim))
+            pages = get_op("kv_store_records")(pages, entries, slots, key_format=None)
         rings = ring_write((kv_ring, gate_ring), (kv, gate), meta, after=(hk, hg))
         return rings, pages
 
-    def _sparse_part(
+    def _select(
         self,
-        q: jax.Array,
         qi: jax.Array,
         weights: jax.Array,
-        pages: jax.Array,
         index_pages: jax.Array,
         spec: AttentionSpec,
         meta: RaggedMeta,
-        act: Any,
-    ) -> pw.SoftmaxState:
-        """CSA: the lightning indexer's ``index_topk`` entries of each token, attended (a softmax part).
+    ) -> jax.Array:
+        """CSA: the lightning indexer's ``index_topk`` entries of each token as flat rows of the layer's pages.
 
-        Indexer keys are scored page by page (op ``v4_indexer_scores``, one token against its own page per
-        call), the scores rounded to the mode's score dtype; the best visible entries are then gathered by
-        compressed index, so only ``k`` entries per token ever take full head width.
+        Op ``v4_indexer_topk`` scores the indexer keys in their stored format, streaming over the pages (scores
+        materialised in the mode's score dtype, ties to the lower entry); :func:`entry_slots` turns the selected
+        compressed indices into page rows (``-1``: none), which ``v4_sparse_attention`` reads directly.
         """
-        score_op = get_op("v4_indexer_scores")
-
-        def score(entries: jax.Array) -> jax.Array:
-            keys = self.indexer.decode(entries, act)  # [T, K, Di]
-            return score_op(qi[:, None], keys, weights[:, None])[:, 0]
-
-        scores = pw.paged_scores(
+        limit = jnp.where(meta.valid, (meta.positions + 1) // spec.ratio, 0)  # visible entries
+        index = get_op("v4_indexer_topk")(
+            qi,
+            weights,
             index_pages,
-            meta,
-            score,
-            ratio=spec.ratio,
-            block_size=self.block_size,
-            dtype=spec.score_dtype,
-            chunk=self.walk_chunk,
+            meta.block_tables,
+            meta.row,
+            limit,
+            k=spec.index_topk,
+            key_format=self.indexer.op_format,
+            score_dtype=spec.score_dtype,
         )
-        index = pw.topk_entries(scores, spec.index_topk)
-        stored = gather_entries(pages, meta, index, spec.ratio, self.block_size)
-        keys = self.compressed.decode(stored, act)
-        return pw.attend_dense(q, keys, index >= 0, scale=spec.head_dim**-0.5)
+        return entry_slots(
+            index,
+            meta.block_tables,
+            meta.row,
+            entries_per_block=self.block_size // spec.ratio,
+            valid=meta.valid,
+        )
 
 
 def cache_storage(dtype: str, kv_cache_dtype: str = "auto") -> str:

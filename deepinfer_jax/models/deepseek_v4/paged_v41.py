@@ -23,10 +23,16 @@ Within a step the values a source layer produces for its consumers travel in :cl
 hidden of this step's tokens, the pre-RoPE ``P`` of the entries emitted in this step (for the indexer keys), the
 top-k selection as compressed indices ``[T, k]`` and the candidate-block mask ``[T, NB]``.
 
-Temporary memory follows what each token reads: its window ``[T, W, D]``, its ``k`` selected entries
-``[T, k, D]`` (gathered by index), and the indexer keys or compressed keys one page at a time while scoring or
-attending to every visible entry (:mod:`deepinfer_jax.cache.paged_walk`). Only the scores ``[T, entries]`` of the
-whole context are materialised, never its keys.
+The hot paths are registry ops (the engine's op selection picks their implementations): window and selected
+entries through ``v4_sparse_attention`` over the stored records, ``Sel(p)`` of index sources through the
+streaming ``v4_indexer_topk`` (the candidate source, which needs its whole score row for ``Cand(p)``, scores one
+page at a time with ``v4_indexer_scores``), compressed entries through ``v4_compress_store`` (ratio 2) or
+``kv_store_records`` (C1, indexer keys), the mHC Sinkhorn through ``mhc_sinkhorn``.
+
+Temporary memory follows what each token reads: its window ``[T, W, ...]``, its ``k`` selected entries, and the
+indexer keys or compressed keys one page at a time while scoring or attending to every visible entry
+(:mod:`deepinfer_jax.cache.paged_walk`). Only score rows are materialised, never the keys of the context: the
+streaming indexer's running top-k and one chunk, and the candidate source's ``[T, entries]``.
 
 Numerics are the model's: the projections, pooling op, indexer query and scores, candidate blocks, sink softmax,
 grouped output projection, mHC, Engram and MoE are the model modules' own functions, so in float32 parity mode
@@ -58,11 +64,10 @@ from deepinfer_jax.cache.paged_walk import (
 from deepinfer_jax.cache.ragged import (
     RaggedMeta,
     compressed_slots,
-    gather_entries,
     history,
+    page_rows,
     ring_write,
     rowwise_meta,
-    write_entries,
 )
 from deepinfer_jax.cache.stores import CompressedCache, KeyStore, key_cache_storage, key_store
 from deepinfer_jax.models.common.embedding import embed_tokens, lm_head
@@ -80,13 +85,13 @@ from deepinfer_jax.models.deepseek_v4.v41_compressor import (
     indexer_keys,
     indexer_query,
     indexer_scores,
-    restrict_to_candidates,
 )
 from deepinfer_jax.models.deepseek_v4.v41_model import V41Static, moe_layer
-from deepinfer_jax.models.paged import CacheLayout, PagedModel
+from deepinfer_jax.models.paged import CacheLayout, PagedModel, copy_rows, copy_tree
 from deepinfer_jax.ops import apply_rope, rms_norm, rope_cos_sin
 from deepinfer_jax.ops import get as get_op
-from deepinfer_jax.ops.tiling import rowwise
+from deepinfer_jax.ops.sparse_attention import entry_slots
+from deepinfer_jax.ops.tiling import rowwise, rowwise_carry
 
 __all__ = ["V41PagedModel", "cache_storage", "paged_model"]
 
@@ -322,6 +327,17 @@ class V41PagedModel(PagedModel):
             engram=jnp.zeros((num_slots, self.engram_depth), jnp.int32) if self.engram_depth else None,
         )
 
+    def copy_cache(self, cache: Any, block_src: Any, block_dst: Any, slot_src: Any, slot_dst: Any) -> Any:
+        """Compressed and indexer pages by block; window rings, C2 pending rings and the Engram history by
+        slot."""
+        return cache._replace(
+            window=copy_tree(cache.window, slot_src, slot_dst),
+            kv=copy_tree(cache.kv, block_src, block_dst),
+            ik=copy_tree(cache.ik, block_src, block_dst),
+            state=copy_tree(cache.state, slot_src, slot_dst),
+            engram=None if cache.engram is None else copy_rows(cache.engram, slot_src, slot_dst),
+        )
+
     # -------------------------------------------------------------------------------------- forward
 
     def forward(
@@ -450,13 +466,13 @@ class V41PagedModel(PagedModel):
         if lp.captures_shared_hidden:
             cross = cross._replace(shared_hidden=x_hat)
 
-        # Window keys (§7.2): this step's keys, read back in the window format, then the row's last W stored.
+        # Window keys (§7.2): this step's keys as stored (records or values), then the row's last W stored. The
+        # attention ops read them in their stored format.
         wnd = self.window_store
         new = wnd.encode(kv)
         ring = cache["window"][lp.layer]
         stored, present = history(ring, new, meta, spec.window)
         cache["window"][lp.layer] = ring_write(ring, new, meta, after=stored)
-        window_keys = wnd.decode(stored, x_hat.dtype)  # [T, W, D]
 
         scale = spec.head_dim**-0.5
         # Batch-invariant mode runs the attention in fixed tiles too (rowwise_meta): its contractions are
@@ -464,25 +480,25 @@ class V41PagedModel(PagedModel):
         if not lp.is_compressed:
 
             def window_only(m: RaggedMeta, t: tuple[jax.Array, ...]) -> jax.Array:
-                qq, keys, mask = t
-                return get_op("v4_sink_attention")(qq[:, None], keys, mask[:, None], a["sinks"], scale=scale)[
-                    :, 0
-                ]
+                qq, window, mask = t
+                return get_op("v4_sparse_attention")(
+                    qq, window, mask, a["sinks"], scale=scale, window_format=wnd.op_format
+                )
 
-            out = rowwise_meta(window_only, tile, meta, (q, window_keys, present))
+            out = rowwise_meta(window_only, tile, meta, (q, stored, present))
         else:
             if lp.is_kv_source or lp.is_index_k_source:
                 cross, cache = self._compressed_writes(p, lp, spec, x_hat, cross, cache, meta, tile)
 
             def compressed(m: RaggedMeta, t: tuple[Any, ...]) -> tuple[Any, ...]:
-                xh, ql, qq, keys, mask, selection, candidates = t
+                xh, ql, qq, window, mask, selection, candidates = t
                 local = cross._replace(selection=selection, candidates=candidates)
                 o, local = self._compressed_attention(
-                    p, lp, spec, xh, ql, qq, keys, mask, local, cache, m, None
+                    p, lp, spec, xh, ql, qq, window, mask, local, cache, m, None
                 )
                 return o, local.selection, local.candidates
 
-            token_inputs = (x_hat, q_latent, q, window_keys, present, cross.selection, cross.candidates)
+            token_inputs = (x_hat, q_latent, q, stored, present, cross.selection, cross.candidates)
             out, selection, candidates = rowwise_meta(compressed, tile, meta, token_inputs)
             cross = cross._replace(selection=selection, candidates=candidates)
 
@@ -508,7 +524,11 @@ class V41PagedModel(PagedModel):
         meta: RaggedMeta,
         tile: int | None,
     ) -> tuple[_StepCross, dict[str, Any]]:
-        """A KV source's new compressed keys and an index-K source's new indexer keys, written to their pages."""
+        """A KV source's new compressed keys and an index-K source's new indexer keys, written to their pages.
+
+        Every write goes through a store op: ``v4_compress_store`` (pooling to records, ratio-2 sources) or
+        ``kv_store_records`` (C1 keys, indexer keys), at the flat page row of each emitted entry.
+        """
         ratio, freqs = spec.ratio, spec.freqs()
         emitted = emitting_tokens(meta, ratio) if lp.is_kv_source else cross.emitted
         if emitted is None:
@@ -517,11 +537,11 @@ class V41PagedModel(PagedModel):
             )
         entry_pos = _at(meta.positions, emitted)  # [E] the emitting token's position p = (c + 1)·r − 1
         entry_rope = (entry_pos + 1 - ratio).astype(jnp.int32)  # c·r: the entry's first position
-        _, _, blocks, offsets = compressed_slots(
-            meta, ratio, self.block_size, jax.tree.leaves(cache["kv"])[0].shape[0]
-        )
-        blocks = _at(blocks, emitted, fill=jnp.iinfo(jnp.int32).max)
-        offsets = _at(offsets, emitted)
+        num_blocks = jax.tree.leaves(cache["kv"])[0].shape[0]
+        _, _, blocks, offsets = compressed_slots(meta, ratio, self.block_size, num_blocks)
+        slots = page_rows(
+            _at(blocks, emitted, fill=num_blocks), _at(offsets, emitted), self.block_size // ratio, num_blocks
+        )  # [E] flat page rows, -1 = nothing to write
 
         if lp.is_kv_source:
             u = x_hat
@@ -531,16 +551,20 @@ class V41PagedModel(PagedModel):
                         f"layer {lp.layer}: the YOCO shared hidden has not been produced in this step"
                     )
                 u = cross.shared_hidden
-            pre_rope = self._compress(p["attn"]["compressor"], lp, spec, u, emitted, cache, meta, tile)
-            cmp = self.compressed_store
-            keys = rowwise(
-                lambda pr, er: cmp.encode(_rotate_at(pr, er, freqs, spec.rope_dim)),
-                tile,
-                pre_rope,
-                entry_rope,
-            )
             slot = self.kv_sources.index(lp.layer)
-            cache["kv"][slot] = write_entries(cache["kv"][slot], keys, blocks, offsets)
+            cache["kv"][slot], pre_rope = self._compress(
+                p["attn"]["compressor"],
+                lp,
+                spec,
+                u,
+                emitted,
+                entry_rope,
+                slots,
+                cache["kv"][slot],
+                cache,
+                meta,
+                tile,
+            )
             cross = cross._replace(emitted=emitted, pre_rope=pre_rope)
 
         if lp.is_index_k_source:
@@ -549,6 +573,7 @@ class V41PagedModel(PagedModel):
                     f"layer {lp.layer}: no pre-RoPE compressed KV from layer {lp.kv_source} this step"
                 )
             ip = p["attn"]["indexer"]
+            idx = self.indexer_store
 
             def project(pr: jax.Array) -> jax.Array:
                 # Rotation at position 0 (an exact identity) and no cast: the entry's own RoPE and the
@@ -565,12 +590,13 @@ class V41PagedModel(PagedModel):
                 )[:, 0]
 
             def indexer_entry(pr: jax.Array, er: jax.Array) -> jax.Array:
-                rotated = _rotate_at(project(pr), er, freqs, spec.rope_dim)
-                return self.indexer_store.encode(rotated)
+                return idx.op_values(_rotate_at(project(pr), er, freqs, spec.rope_dim))
 
             ki = rowwise(indexer_entry, tile, cross.pre_rope, entry_rope)
             slot = self.index_k_sources.index(lp.layer)
-            cache["ik"][slot] = write_entries(cache["ik"][slot], ki, blocks, offsets)
+            cache["ik"][slot] = get_op("kv_store_records")(
+                cache["ik"][slot], ki, slots, key_format=idx.op_format
+            )
         return cross, cache
 
     def _compress(
@@ -580,11 +606,21 @@ class V41PagedModel(PagedModel):
         spec: V41AttentionSpec,
         u: jax.Array,
         emitted: jax.Array,
+        entry_rope: jax.Array,
+        slots: jax.Array,
+        pages: jax.Array,
         cache: dict[str, Any],
         meta: RaggedMeta,
         tile: int | None,
-    ) -> jax.Array:
-        """``P [E, D]`` (pre-RoPE, normalised) of the entries the tokens ``emitted`` complete (§7.3)."""
+    ) -> tuple[jax.Array, jax.Array]:
+        """The entries the tokens ``emitted`` complete (§7.3), rotated to ``entry_rope`` and written at ``slots``:
+        ``(pages, P [E, D])`` with ``P`` the pre-RoPE normalised entries (the indexer keys' input)."""
+        cmp = self.compressed_store
+        freqs = spec.freqs()
+
+        def rotated(pr: jax.Array, er: jax.Array) -> jax.Array:
+            return cmp.op_values(_rotate_at(pr, er, freqs, spec.rope_dim))
+
         if lp.ratio == 1:
 
             def c1(v: jax.Array) -> jax.Array:
@@ -596,11 +632,13 @@ class V41PagedModel(PagedModel):
                     cp["norm"],
                     ratio=1,
                     eps=spec.eps,
-                    rope_freqs=spec.freqs(),
+                    rope_freqs=freqs,
                     rope_dim=spec.rope_dim,
                 ).pre_rope[:, 0]
 
-            return rowwise(c1, tile, _at(u, emitted))
+            pre_rope = rowwise(c1, tile, _at(u, emitted))
+            keys = rowwise(rotated, tile, pre_rope, entry_rope)
+            return get_op("kv_store_records")(pages, keys, slots, key_format=cmp.op_format), pre_rope
 
         dense = LinearNumerics()
 
@@ -616,13 +654,40 @@ class V41PagedModel(PagedModel):
         (pa, pg), _ = history(ring, (a, g), meta, lp.ratio, index=emitted)  # [E, r, D] each
         cache["state"][slot] = ring_write(ring, (a, g), meta, after=(pa, pg))
 
-        def pool(pa: jax.Array, pg: jax.Array) -> jax.Array:
-            c = get_op("v4_compressor_pool")(pa, pg).astype(u.dtype)
-            return rms_norm(c, cp["norm"], eps=spec.eps, out_dtype=u.dtype)
+        if not cmp.encodes_in_ops:
+            # Plain values with the mode's cast (a bfloat16 model over an unquantised cache): the cast sits between
+            # the RoPE and the store, so the pooling runs here and only the write is an op.
+            def pool(pa: jax.Array, pg: jax.Array) -> jax.Array:
+                c = get_op("v4_compressor_pool")(pa, pg).astype(u.dtype)
+                return rms_norm(c, cp["norm"], eps=spec.eps, out_dtype=u.dtype)
 
-        # Per-entry work runs in the same fixed tiles as per-token work in batch-invariant mode: the entry count
-        # follows the step's token count, and XLA:CPU's per-row results may follow the array's size.
-        return rowwise(pool, tile, pa, pg)
+            pre_rope = rowwise(pool, tile, pa, pg)
+            keys = rowwise(rotated, tile, pre_rope, entry_rope)
+            return get_op("kv_store_records")(pages, keys, slots, key_format=None), pre_rope
+
+        cos, sin = rope_cos_sin(entry_rope, freqs)
+
+        def compress_store(
+            pages: jax.Array, pa: jax.Array, pg: jax.Array, cs: jax.Array, sn: jax.Array, rows: jax.Array
+        ) -> tuple[jax.Array, jax.Array]:
+            return get_op("v4_compress_store")(
+                pages,
+                pa,
+                pg,
+                cp["norm"],
+                cs,
+                sn,
+                rows,
+                eps=spec.eps,
+                rope_dim=spec.rope_dim,
+                key_format=cmp.op_format,
+                entry_dtype=u.dtype,
+            )
+
+        # Per-entry work runs in the same fixed tiles as per-token work in batch-invariant mode (the entry count
+        # follows the step's token count, and XLA:CPU's per-row results may follow the array's size); the tiles
+        # write the pages one after the other.
+        return rowwise_carry(compress_store, tile, pages, pa, pg, cos, sin, slots, fills=(0, 0, 0, 0, -1))
 
     # -------------------------------------------------------------------------- compressed attention
 
@@ -634,17 +699,18 @@ class V41PagedModel(PagedModel):
         x_hat: jax.Array,
         q_latent: jax.Array,
         q: jax.Array,
-        window_keys: jax.Array,
+        window: jax.Array,
         window_present: jax.Array,
         cross: _StepCross,
         cache: dict[str, Any],
         meta: RaggedMeta,
         tile: int | None,
     ) -> tuple[jax.Array, _StepCross]:
-        """Sink attention over the window plus the selected (or, without an indexer, all visible) entries."""
+        """Sink attention over the window (``window``: the stored keys) plus the selected (or, without an indexer,
+        all visible) entries."""
         ratio = spec.ratio
         a = p["attn"]
-        cmp = self.compressed_store
+        wnd, cmp = self.window_store, self.compressed_store
         kv_pages = cache["kv"][self.kv_sources.index(lp.kv_source)]
         scale = spec.head_dim**-0.5
         if not lp.uses_indexer:
@@ -653,7 +719,7 @@ class V41PagedModel(PagedModel):
                 keys = cmp.decode(entries, x_hat.dtype)
                 return merge_softmax(state, attend_dense(q, keys, visible, scale=scale))
 
-            state = attend_dense(q, window_keys, window_present, scale=scale)
+            state = attend_dense(q, wnd.decode(window, x_hat.dtype), window_present, scale=scale)
             state = walk_pages(kv_pages, meta, body, state, ratio=ratio, block_size=self.block_size)
             return finish_softmax(state, a["sinks"]).astype(q.dtype), cross
 
@@ -661,11 +727,25 @@ class V41PagedModel(PagedModel):
             cross = self._select(p, lp, spec, x_hat, q_latent, cross, cache, meta, tile)
         if cross.selection is None:
             raise ValueError(f"layer {lp.layer}: no top-k selection from layer {lp.index_source} this step")
-        index = cross.selection  # [T, k]
-        keys = cmp.decode(gather_entries(kv_pages, meta, index, ratio, self.block_size), x_hat.dtype)
-        keys = jnp.concatenate([window_keys, keys.astype(window_keys.dtype)], axis=1)
-        mask = jnp.concatenate([window_present, (index >= 0) & meta.valid[:, None]], axis=1)
-        out = get_op("v4_sink_attention")(q[:, None], keys, mask[:, None], a["sinks"], scale=scale)[:, 0]
+        # The selected compressed indices [T, k] as flat rows of the KV source's pages (-1: none, padding).
+        slots = entry_slots(
+            cross.selection,
+            meta.block_tables,
+            meta.row,
+            entries_per_block=self.block_size // ratio,
+            valid=meta.valid,
+        )
+        out = get_op("v4_sparse_attention")(
+            q,
+            window,
+            window_present,
+            a["sinks"],
+            kv_pages,
+            slots,
+            scale=scale,
+            window_format=wnd.op_format,
+            compressed_format=cmp.op_format,
+        )
         return out, cross
 
     def _select(
@@ -680,7 +760,12 @@ class V41PagedModel(PagedModel):
         meta: RaggedMeta,
         tile: int | None,
     ) -> _StepCross:
-        """An index source's ``Sel(p)`` (and the candidate source's ``Cand(p)``), scoring one page at a time."""
+        """An index source's ``Sel(p)`` (and the candidate source's ``Cand(p)``).
+
+        Index sources other than the candidate source select with op ``v4_indexer_topk`` (streaming over the
+        pages: no score row of the whole context); the candidate source needs the block scores of the whole row
+        for ``Cand(p)``, so it scores one page at a time into ``[T, entries]`` and takes the top-k of that row.
+        """
         st = self.static
         ratio, ip = spec.ratio, p["attn"]["indexer"]
 
@@ -705,6 +790,31 @@ class V41PagedModel(PagedModel):
         pages = cache["ik"][self.index_k_sources.index(lp.index_k_source)]
         score_dtype = jnp.dtype(spec.score_dtype)
 
+        if not lp.is_candidate_source:
+            candidates, block = None, None
+            if lp.is_candidate_consumer:
+                if cross.candidates is None:
+                    raise ValueError(
+                        f"layer {lp.layer}: no candidate blocks from layer {lp.candidate_source} this step"
+                    )
+                assert spec.candidate_block_size is not None
+                candidates, block = cross.candidates, spec.candidate_block_size
+            limit = jnp.where(meta.valid, (meta.positions + 1) // ratio, 0)  # visible entries (§7.4)
+            selection = get_op("v4_indexer_topk")(
+                qi,
+                wi,
+                pages,
+                meta.block_tables,
+                meta.row,
+                limit,
+                k=spec.index_topk,
+                key_format=idx.op_format,
+                score_dtype=score_dtype,
+                candidates=candidates,
+                candidate_block_size=block,
+            )
+            return cross._replace(selection=selection)
+
         def score(entries: jax.Array) -> jax.Array:
             keys = idx.decode(entries, qi.dtype)  # [T, E, Di]
             return indexer_scores(qi[:, None], keys, wi[:, None], score_dtype=score_dtype)[:, 0]
@@ -712,26 +822,17 @@ class V41PagedModel(PagedModel):
         scores = paged_scores(pages, meta, score, ratio=ratio, block_size=self.block_size, dtype=score_dtype)
         num = scores.shape[-1]
         allowed = visible_entries(meta.positions, ratio, num) & meta.valid[:, None]
-        if lp.is_candidate_consumer:
-            if cross.candidates is None:
-                raise ValueError(
-                    f"layer {lp.layer}: no candidate blocks from layer {lp.candidate_source} this step"
-                )
-            assert spec.candidate_block_size is not None
-            allowed = allowed & restrict_to_candidates(cross.candidates, spec.candidate_block_size, num)
         masked = jnp.where(allowed, scores, jnp.asarray(-jnp.inf, scores.dtype))
         cross = cross._replace(selection=topk_entries(masked, spec.index_topk))
-        if lp.is_candidate_source:
-            assert spec.candidate_block_size is not None and spec.candidate_topk_blocks is not None
-            cand = candidate_blocks(
-                scores,
-                meta.positions,
-                ratio=ratio,
-                block_size=spec.candidate_block_size,
-                topk_blocks=spec.candidate_topk_blocks,
-            )
-            cross = cross._replace(candidates=cand)
-        return cross
+        assert spec.candidate_block_size is not None and spec.candidate_topk_blocks is not None
+        cand = candidate_blocks(
+            scores,
+            meta.positions,
+            ratio=ratio,
+            block_size=spec.candidate_block_size,
+            topk_blocks=spec.candidate_topk_blocks,
+        )
+        return cross._replace(candidates=cand)
 
 
 def cache_storage(dtype: str, kv_cache_dtype: str = "auto") -> str:
