@@ -95,7 +95,11 @@ def main() -> int:
         after = engine.stats()
         compiles = executor.compile_count - compiles
         new_buckets = sorted(set(executor.compiled_buckets) - buckets)
-        finished = {k: v - before.finished.get(k, 0) for k, v in after.finished.items()}
+        finished = {
+            k: v - before.finished.get(k, 0)
+            for k, v in after.finished.items()
+            if v > before.finished.get(k, 0)
+        }
         problems = list(check.problems)
         if after.accepted - before.accepted != spec.requests:
             problems.append(

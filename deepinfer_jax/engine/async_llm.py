@@ -23,8 +23,11 @@ steps; ``with engine.exclusive(): llm.generate(...)`` waits until the engine is 
 until it returns, so offline ``generate`` runs unchanged on the same compiled engine.
 
 Errors: bad input raises ``ValueError``/``TypeError`` from :meth:`~AsyncLLM.add_request` before anything is queued;
-a request that fails while running ends alone (``finish_reason="error"``); if the engine loop itself fails, every
-unfinished request's stream raises :class:`EngineDeadError` and so does every later ``add_request``.
+a request that fails while running ends alone (``finish_reason="error"``); a step that fails (an XLA error, a bug)
+ends the requests it held with ``finish_reason="error"``, the engine recovers as ``LLM.generate`` does (every
+block and slot freed, a consumed cache re-created) and serves the next requests; only if that recovery or the loop
+itself fails does every unfinished stream raise :class:`EngineDeadError`, and so does every later
+``add_request``. ``n > 1`` is refused (one sample per stream).
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ class EngineStats:
       prompt_tokens, generation_tokens: tokens of finished requests (aborted ones included).
       finished: finished requests by ``finish_reason``.
       accepted, refused: requests accepted / refused as over the admission bound.
+      step_failures: runs a failed step ended (their requests ended with ``finish_reason="error"``).
       prefix_cache_hit_tokens, prefix_cache_query_tokens, draft_tokens, accepted_draft_tokens: counters the
         engine reports once prefix caching / speculative decoding exist (``None`` while it has none).
     """
@@ -109,6 +113,7 @@ class EngineStats:
     finished: Mapping[str, int] = dataclasses.field(default_factory=dict)
     accepted: int = 0
     refused: int = 0
+    step_failures: int = 0
     prefix_cache_hit_tokens: int | None = None
     prefix_cache_query_tokens: int | None = None
     draft_tokens: int | None = None
@@ -234,6 +239,7 @@ class AsyncLLM:
         self._finished_by_reason: dict[str, int] = {}
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._failures = 0
         self._stop_seen = False
         self._stats = EngineStats()
         self._update_stats()
@@ -315,6 +321,13 @@ class AsyncLLM:
         arr = validate_request(ids, params, vocab_size=cfg.vocab_size, max_model_len=llm.max_model_len)
         if params.stop and llm.tokenizer is None:
             raise ValueError("sampling_params.stop needs a tokenizer to match text; this model has none")
+        if params.n != 1:
+            raise ValueError(
+                f"sampling_params.n = {params.n}: AsyncLLM streams one sample per request (n = 1); send n requests "
+                "with their own seeds instead"
+            )
+        if params.bad_words and llm.tokenizer is None:
+            raise ValueError("sampling_params.bad_words needs a tokenizer; this model has none")
         index = next(self._next_index)
         if request_id is None:
             request_id = f"async-{index}"
@@ -412,13 +425,29 @@ class AsyncLLM:
                     self._apply(item)
                     self._drain_inbox()
                     if scheduler.has_unfinished_requests() or self._tracks:
-                        runner.run(on_finished=self._on_finished, poll=self._poll, keep_outputs=False)
+                        try:
+                            runner.run(on_finished=self._on_finished, poll=self._poll, keep_outputs=False)
+                        except Exception as exc:  # a failed step: recover as LLM.generate does, then serve on
+                            self._recover(exc)
                     for stream in list(self._tracks.values()):  # a bug if any: never leave a consumer waiting
                         self._finish_alone(stream, f"request {stream.request_id!r} was lost by the scheduler")
                     self._update_stats()
         except BaseException as exc:  # the loop itself failed: every waiting consumer must hear it
             logging.exception("AsyncLLM: the engine loop failed")
             self._die(exc)
+
+    def _recover(self, exc: Exception) -> None:
+        """A run failed (a step raised): the requests it held end with ``finish_reason="error"`` naming the
+        failure, the engine is made usable again by ``LLM``'s own recovery (every request aborted, every block
+        and slot freed, a consumed cache re-created), and the loop serves the next requests. When the recovery
+        itself fails, the loop dies (:class:`EngineDeadError`)."""
+        logging.exception("AsyncLLM: an engine step failed; ending the requests it held")
+        self.llm._recover(exc)
+        self._failures += 1
+        for stream in list(self._tracks.values()):
+            self._finish_alone(
+                stream, f"the engine step failed ({type(exc).__name__}: {exc}); the engine recovered"
+            )
 
     def _drain_inbox(self) -> None:
         while True:
@@ -586,6 +615,7 @@ class AsyncLLM:
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             finished=dict(self._finished_by_reason),
+            step_failures=self._failures,
             **optional,
         )
 

@@ -52,6 +52,10 @@ class _EngineCollector:
             "deepinfer_generation_tokens": ("generated tokens of finished requests", s.generation_tokens),
             "deepinfer_engine_steps": ("engine steps", s.steps),
             "deepinfer_preemptions": ("requests preempted for recompute", s.preemptions),
+            "deepinfer_engine_step_failures": (
+                "runs a failed step ended (the engine recovered; their requests ended with an error)",
+                s.step_failures,
+            ),
             "deepinfer_prefix_cache_hit_tokens": (
                 "prompt tokens read from the prefix cache",
                 s.prefix_cache_hit_tokens,

@@ -225,8 +225,14 @@ def test_admission_is_bounded(engine):
         ([3, 4], SamplingParams(max_tokens=2000), ValueError, r"exceeds max_model_len"),
         ({"prompt_ids": [3]}, None, ValueError, r"unknown keys \['prompt_ids'\]"),
         ([3, 4], "greedy", TypeError, r"sampling_params must be a SamplingParams"),
+        (
+            [3, 4],
+            SamplingParams(n=2),
+            ValueError,
+            r"sampling_params.n = 2: AsyncLLM streams one sample per request",
+        ),
     ],
-    ids=["empty", "vocabulary", "too-long", "bad-dict", "bad-params"],
+    ids=["empty", "vocabulary", "too-long", "bad-dict", "bad-params", "n"],
 )
 def test_bad_input_never_reaches_the_engine(engine, prompt, params, error, match):
     accepted = engine.stats().accepted
@@ -303,17 +309,19 @@ def test_mesh_streams_the_offline_tokens_and_frees_every_device():
 # ------------------------------------------------------------------------------------------- failure
 
 
-def test_an_engine_failure_reaches_every_consumer():
-    """The step raising (a bug, an XLA error): every unfinished stream raises EngineDeadError naming it, and so
-    does every later add_request; health reports it."""
+def test_a_failed_step_ends_its_requests_and_the_engine_serves_on():
+    """The step raising (a bug, an XLA error): the requests of that run end with finish_reason="error" naming the
+    failure, the engine recovers (LLM's own recovery: every block and slot free) and the next request gets the
+    offline tokens. When the recovery fails too, every unfinished stream and every later add_request raises
+    EngineDeadError naming the failure."""
     llm = LLM("tiny-v3", **ENGINE, **BLOCK)  # the module engine's settings: its compiled steps are cached
     executor = llm.executor
-    calls = {"n": 0}
+    calls = {"n": 0, "fail_at": 3}
     original = executor.run
 
     def failing(plan):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == calls["fail_at"]:
             raise RuntimeError("injected step failure")
         return original(plan)
 
@@ -321,18 +329,45 @@ def test_an_engine_failure_reaches_every_consumer():
     engine = AsyncLLM(llm)
     prompts, params = _requests(3, seed=5)
 
-    async def main():
+    async def first_run():
         async def one(i):
-            with pytest.raises(EngineDeadError, match=r"injected step failure"):
-                async for _ in engine.generate(
+            outs = [
+                o
+                async for o in engine.generate(
                     prompts[i], params[i].replace(max_tokens=50, output_kind=K.DELTA)
-                ):
-                    pass
+                )
+            ]
+            return outs[-1].outputs[0]
 
-        await asyncio.gather(*(one(i) for i in range(3)))
-        with pytest.raises(EngineDeadError, match=r"injected step failure"):
+        return await asyncio.gather(*(one(i) for i in range(3)))
+
+    ends = asyncio.run(first_run())
+    assert [c.finish_reason for c in ends] == ["error"] * 3
+    assert all("injected step failure" in c.error and "recovered" in c.error for c in ends)
+    assert engine.is_running and engine.stats().step_failures == 1
+    _assert_empty(llm)
+    # The engine serves on: the next request gets the offline engine's tokens.
+    calls["fail_at"] = -1
+    (want,) = _offline(engine, prompts[:1], params[:1])
+    _, got, _ = asyncio.run(_collect(engine, prompts[0], params[0], "after"))
+    assert got == want.outputs[0].token_ids
+    _assert_empty(llm)
+
+    # A failure that the recovery cannot mend: the loop dies, and every consumer hears it.
+    calls["n"], calls["fail_at"] = 0, 2
+
+    def broken_recover(err):
+        raise RuntimeError("the device is gone") from err
+
+    llm._recover = broken_recover
+
+    async def dead():
+        with pytest.raises(EngineDeadError, match=r"the device is gone"):
+            async for _ in engine.generate(prompts[1], params[1].replace(max_tokens=50)):
+                pass
+        with pytest.raises(EngineDeadError, match=r"the device is gone"):
             engine.add_request(prompts[0], params[0])
 
-    asyncio.run(main())
+    asyncio.run(dead())
     assert not engine.is_running and isinstance(engine.error, RuntimeError)
     engine.shutdown()
