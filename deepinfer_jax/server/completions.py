@@ -11,9 +11,10 @@ Fields: ``model``, ``prompt``, ``max_tokens`` (default 16, as OpenAI's), ``tempe
 ``stream``, ``stream_options.include_usage``, ``logprobs`` (0-20 alternatives), ``echo`` (the prompt before the
 completion; with ``logprobs``, the prompt tokens' logprobs too), ``stop``, ``seed``, ``presence_penalty``,
 ``frequency_penalty``, ``best_of`` (1), ``user`` (ignored), and the vLLM-style extensions ``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``golden_token_ids`` and
-``return_token_ids`` (each choice then carries its ``token_ids`` and ``prompt_token_ids``). ``suffix`` and a
-non-empty ``logit_bias`` are refused (400).
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``allowed_token_ids``, ``bad_words``,
+``golden_token_ids`` and ``return_token_ids`` (each choice then carries its ``token_ids`` and
+``prompt_token_ids``); ``logit_bias`` (token id: bias in [-100, 100], OpenAI's range). ``suffix`` is refused
+(400).
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ __all__ = ["CompletionJob", "completion_json", "completion_sse", "prepare_comple
 _FIELDS = (
     "model", "stream", "temperature", "top_p", "seed", "n", "max_tokens", "stop", "presence_penalty",
     "frequency_penalty", "echo", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
-    "stop_token_ids", "golden_token_ids", "return_token_ids",
+    "stop_token_ids", "golden_token_ids", "return_token_ids", "logit_bias", "allowed_token_ids", "bad_words",
 )  # fmt: skip
 _SAMPLING = (
     "temperature", "top_p", "seed", "max_tokens", "stop", "presence_penalty", "frequency_penalty", "top_k",
-    "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "golden_token_ids",
+    "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "golden_token_ids", "logit_bias",
+    "allowed_token_ids", "bad_words",
 )  # fmt: skip
 
 
@@ -121,8 +123,6 @@ def prepare_completion(ctx: ServingContext, body: Any) -> CompletionJob:
         raise APIError(
             400, "suffix is not supported (insertion needs a fill-in-the-middle model)", param="suffix"
         )
-    if body.get("logit_bias"):
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     logprobs = body.get("logprobs")
     if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool)):
         raise APIError(

@@ -155,6 +155,12 @@ _CHECKS: dict[str, tuple[str, Any]] = {
     ),
     "stop_token_ids": ("a list of integers", lambda v: isinstance(v, list) and all(_is_int(t) for t in v)),
     "golden_token_ids": ("a list of integers", lambda v: isinstance(v, list) and all(_is_int(t) for t in v)),
+    "allowed_token_ids": ("a list of integers", lambda v: isinstance(v, list) and all(_is_int(t) for t in v)),
+    "bad_words": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v)),
+    "logit_bias": (
+        "an object of token id: bias, each bias a number in [-100, 100]",
+        lambda v: isinstance(v, dict) and all(_is_number(b) and -100 <= b <= 100 for b in v.values()),
+    ),
 }
 
 

@@ -14,7 +14,8 @@ What this module adds:
   Completions spelling ``max_completion_tokens``;
 * the sampling fields the recipe does not carry, OpenAI's ``presence_penalty`` / ``frequency_penalty`` and
   Anthropic's ``top_k``, and the vLLM-style extensions ``top_k``, ``min_p``, ``repetition_penalty``,
-  ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` and DeepInfer's ``golden_token_ids`` (teacher forcing);
+  ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``allowed_token_ids``, ``bad_words`` and DeepInfer's
+  ``golden_token_ids`` (teacher forcing); Chat Completions' ``logit_bias`` (token id: bias in [-100, 100]);
 * the output constraint: ``response_format`` (JSON, JSON schema, regex) needs structured outputs, which the engine
   does not have yet, so :func:`constraint_params` refuses it with a 400 naming ``response_format``; it is the one
   place that maps a constraint to sampling parameters once structured outputs land. Tool calls are not
@@ -78,6 +79,8 @@ _EXTENSIONS = (
     "ignore_eos",
     "stop_token_ids",
     "golden_token_ids",
+    "allowed_token_ids",
+    "bad_words",
 )
 
 
@@ -104,8 +107,8 @@ CHAT = Protocol(
     recipe.ChatCompletionResponse,
     "chatcmpl-",
     (*_COMMON_FIELDS, "max_tokens", "max_completion_tokens", "stop", "presence_penalty", "frequency_penalty",
-     *_EXTENSIONS),
-    ("presence_penalty", "frequency_penalty", *_EXTENSIONS),
+     "logit_bias", *_EXTENSIONS),
+    ("presence_penalty", "frequency_penalty", "logit_bias", *_EXTENSIONS),
     "messages",
 )  # fmt: skip
 RESPONSES = Protocol(

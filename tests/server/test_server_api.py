@@ -367,3 +367,40 @@ def test_health_and_metrics(server, client, engine):
     assert after["deepinfer_kv_cache_blocks_total"] == 71 and after["deepinfer_kv_cache_usage_ratio"] == 0
     assert after["deepinfer_requests_running"] == 0
     assert_engine_empty(engine)
+
+
+# ------------------------------------------------------------------------------------------- logit bias, allowed ids
+
+
+def test_logit_bias_and_allowed_token_ids_are_the_engines(client, engine):
+    """OpenAI's logit_bias (JSON keys are strings) and vLLM's allowed_token_ids reach the sampler: a +100 bias makes
+    greedy decoding pick that id every time; allowed ids confine sampling; both equal the offline engine's."""
+    prompt = [9, 10, 11]
+    r = client.completions.create(
+        model="tiny-v3",
+        prompt=prompt,
+        max_tokens=5,
+        temperature=0,
+        logit_bias={"42": 100},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert r.choices[0].model_extra["token_ids"] == [42] * 5
+    params = SamplingParams(
+        temperature=1.0, seed=4, max_tokens=8, ignore_eos=True, allowed_token_ids=[40, 41, 44]
+    )
+    (ref,) = offline_generate(engine, [prompt], params)
+    r = client.completions.create(
+        model="tiny-v3",
+        prompt=prompt,
+        max_tokens=8,
+        seed=4,
+        extra_body={"ignore_eos": True, "return_token_ids": True, "allowed_token_ids": [40, 41, 44]},
+    )
+    got = r.choices[0].model_extra["token_ids"]
+    assert got == ref.outputs[0].token_ids and set(got) <= {40, 41, 44}
+    # Chat Completions: the same bias through the chat template.
+    ref = offline_chat(engine, HELLO, SamplingParams(temperature=0.0, max_tokens=4, logit_bias={42: 100}))
+    r = client.chat.completions.create(
+        model="tiny-v3", messages=HELLO, temperature=0, max_tokens=4, logit_bias={"42": 100}
+    )
+    assert r.choices[0].message.content == ref.content and r.usage.completion_tokens == 4

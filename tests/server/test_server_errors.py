@@ -174,6 +174,22 @@ BAD_REQUESTS = [
         "response_format",
         ["must contain the word 'json'"],
     ),
+    (
+        "logit_bias out of range",
+        CHAT,
+        {"model": "tiny-v3", "messages": HELLO, "logit_bias": {"5": 150}},
+        400,
+        "logit_bias",
+        ["[-100, 100]", "150"],
+    ),
+    (
+        "logit_bias outside the vocabulary",
+        "/v1/completions",
+        {"model": "tiny-v3", "prompt": [5, 6], "logit_bias": {"9999": 1}},
+        400,
+        "logit_bias",
+        ["9999", "[0, 512)"],
+    ),
     ("no messages", "/v1/messages", {"model": "tiny-v3", "max_tokens": 4}, 400, "messages", ["messages"]),
     ("unknown route", "/v1/embeddings", {"model": "tiny-v3"}, 404, None, ["/v1/embeddings", "no such route"]),
 ]
