@@ -7,7 +7,9 @@ request and one choice (``index`` in prompt order). Text prompts start with BOS,
 sends stays text. The completion text is the engine's incremental detokenization (special tokens left out, a
 matched stop string cut), streamed as it grows.
 
-Fields: ``model``, ``prompt``, ``max_tokens`` (default 16, as OpenAI's), ``temperature``, ``top_p``, ``n`` (1),
+Fields: ``model``, ``prompt``, ``max_tokens`` (default 16, as OpenAI's), ``temperature``, ``top_p``, ``n`` (choices
+per prompt, each its own engine request; with a ``seed``, sample ``j`` draws with ``derive_seed(seed, j)`` as
+``LLM.generate`` seeds its ``n`` samples),
 ``stream``, ``stream_options.include_usage``, ``logprobs`` (0-20 alternatives), ``echo`` (the prompt before the
 completion; with ``logprobs``, the prompt tokens' logprobs too), ``stop``, ``seed``, ``presence_penalty``,
 ``frequency_penalty``, ``best_of`` (1), ``user`` (ignored), and the vLLM-style extensions ``top_k``, ``min_p``,
@@ -29,10 +31,12 @@ from typing import Any
 
 from deepinfer_jax.engine.async_llm import QueueFullError, RequestStream
 from deepinfer_jax.engine.params import (
+    MAX_N,
     Logprob,
     RequestOutput,
     RequestOutputKind,
     SamplingParams,
+    derive_seed,
     validate_request,
 )
 from deepinfer_jax.server.errors import APIError, check_fields, param_of
@@ -54,7 +58,8 @@ _SAMPLING = (
 
 @dataclasses.dataclass
 class CompletionJob:
-    """A checked completions request: one prompt per choice."""
+    """A checked completions request: ``n`` choices per prompt (choice ``p * n + j`` is sample ``j`` of prompt
+    ``p``, OpenAI's order)."""
 
     completion_id: str
     prompts: list[tuple[str | None, list[int]]]
@@ -64,6 +69,15 @@ class CompletionJob:
     echo: bool
     logprobs: int | None
     return_token_ids: bool
+    n: int = 1
+
+    def sample_params(self, j: int) -> SamplingParams:
+        """Sample ``j``'s parameters: with a seed and ``n > 1``, sample ``j`` draws with ``derive_seed(seed, j)``,
+        as ``LLM.generate`` seeds the ``n`` samples of one request, so the same seed gives the same choices."""
+        p = self.params
+        if self.n == 1 or p.seq_seed is None:
+            return p
+        return p.replace(seed=derive_seed(p.seq_seed, j))
 
 
 def _prompts(ctx: ServingContext, prompt: Any) -> list[tuple[str | None, list[int]]]:
@@ -114,11 +128,11 @@ def prepare_completion(ctx: ServingContext, body: Any) -> CompletionJob:
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     check_fields(body, _FIELDS)
     ctx.check_model(body)
-    for name in ("n", "best_of"):
-        if body.get(name) not in (None, 1):
-            raise APIError(
-                400, f"{name} = {body[name]!r}: only 1 is supported (one completion per prompt)", param=name
-            )
+    if body.get("best_of") not in (None, 1):
+        raise APIError(400, f"best_of = {body['best_of']!r}: only 1 is supported", param="best_of")
+    n = 1 if body.get("n") is None else body["n"]
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"n = {n} must be in [1, {MAX_N}]", param="n")
     if body.get("suffix") is not None:
         raise APIError(
             400, "suffix is not supported (insertion needs a fill-in-the-middle model)", param="suffix"
@@ -163,16 +177,22 @@ def prepare_completion(ctx: ServingContext, body: Any) -> CompletionJob:
         echo=echo,
         logprobs=logprobs,
         return_token_ids=bool(body.get("return_token_ids") or False),
+        n=n,
     )
 
 
 def start_streams(ctx: ServingContext, job: CompletionJob) -> list[RequestStream]:
-    """One engine request per prompt; if the engine refuses one, those already queued are aborted."""
+    """One engine request per choice (``n`` per prompt); if the engine refuses one, those already queued are
+    aborted."""
     streams: list[RequestStream] = []
     try:
         for i, (text, ids) in enumerate(job.prompts):
             prompt = {"prompt_token_ids": ids} if text is None else {"prompt_token_ids": ids, "prompt": text}
-            streams.append(ctx.engine.add_request(prompt, job.params, f"{job.completion_id}-{i}"))
+            for j in range(job.n):
+                k = i * job.n + j
+                streams.append(
+                    ctx.engine.add_request(prompt, job.sample_params(j), f"{job.completion_id}-{k}")
+                )
     except QueueFullError:
         for stream in streams:
             ctx.engine.abort_nowait(stream.request_id)
@@ -192,7 +212,9 @@ class _Choice:
         self.index = index
         self.offset = 0
         self.completion_tokens = 0
-        self.prompt_tokens = len(job.prompts[index][1])
+        self.prompt = index // job.n
+        # A prompt counts once in the usage, whatever its n.
+        self.prompt_tokens = len(job.prompts[self.prompt][1]) if index % job.n == 0 else 0
         self.started = False
         self.finish_reason: str | None = None
         self.stop_reason: Any = None
@@ -232,7 +254,7 @@ class _Choice:
         first = not self.started
         if first:
             self.started = True
-            prompt_text, prompt_ids = self.job.prompts[self.index]
+            prompt_text, prompt_ids = self.job.prompts[self.prompt]
             if self.job.echo:
                 if prompt_text is None:
                     tokenizer = self.ctx.engine.llm.tokenizer
@@ -263,7 +285,7 @@ class _Choice:
         if self.job.return_token_ids:
             piece["token_ids"] = list(completion.token_ids)
             if first:
-                piece["prompt_token_ids"] = list(self.job.prompts[self.index][1])
+                piece["prompt_token_ids"] = list(self.job.prompts[self.prompt][1])
         return piece
 
 

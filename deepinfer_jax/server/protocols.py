@@ -10,7 +10,7 @@ stage, tool-call parsing, stop strings), resolves the token limit against the co
 What this module adds:
 
 * the field checks the recipe's JSON reader reports without the field's name (``check_fields``), the model name
-  (404 for another model), ``n`` (only 1: several completions per request are not built yet), the Chat
+  (404 for another model), ``n`` (only 1 here: several choices per request exist on ``/v1/completions``), the Chat
   Completions spelling ``max_completion_tokens``;
 * the sampling fields the recipe does not carry, OpenAI's ``presence_penalty`` / ``frequency_penalty`` and
   Anthropic's ``top_k``, and the vLLM-style extensions ``top_k``, ``min_p``, ``repetition_penalty``,
@@ -251,7 +251,8 @@ def prepare(ctx: ServingContext, protocol: Protocol, body: Any) -> Prepared:
     if n is not None and n != 1:
         raise APIError(
             400,
-            f"n = {n}: only n = 1 is supported (several completions per request are not built yet)",
+            f"n = {n}: only n = 1 is supported here (several choices per request are built for /v1/completions "
+            "only)",
             param="n",
         )
     if protocol is CHAT and body.get("max_completion_tokens") is not None:

@@ -404,3 +404,37 @@ def test_logit_bias_and_allowed_token_ids_are_the_engines(client, engine):
         model="tiny-v3", messages=HELLO, temperature=0, max_tokens=4, logit_bias={"42": 100}
     )
     assert r.choices[0].message.content == ref.content and r.usage.completion_tokens == 4
+
+
+@STREAMING
+def test_completions_n_is_llm_generate_n_with_the_same_seed(client, engine, stream):
+    """n samples per prompt: each is its own engine request seeded as LLM.generate seeds the n samples of one
+    request (derive_seed(seed, j)), so the choices are the offline samples; usage counts each prompt once."""
+    prompts = [[3, 4, 5, 6], [20, 21]]
+    params = SamplingParams(temperature=1.0, seed=77, max_tokens=6, ignore_eos=True, n=3)
+    ref = offline_generate(engine, prompts, [params, params])
+    want = [c.token_ids for o in ref for c in o.outputs]
+    assert len({tuple(w) for w in want}) == 6  # six different samples
+    kw = dict(
+        model="tiny-v3",
+        prompt=prompts,
+        max_tokens=6,
+        seed=77,
+        n=3,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    if stream:
+        got: dict[int, list[int]] = {}
+        usage = None
+        for chunk in client.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                got.setdefault(c.index, []).extend(c.model_extra["token_ids"])
+            usage = chunk.usage or usage
+        tokens = [got[i] for i in range(6)]
+    else:
+        r = client.completions.create(**kw)
+        assert [c.index for c in r.choices] == list(range(6))
+        tokens = [c.model_extra["token_ids"] for c in r.choices]
+        usage = r.usage
+    assert tokens == want
+    assert usage.prompt_tokens == 6 and usage.completion_tokens == 36
