@@ -11,13 +11,12 @@ from __future__ import annotations
 import anthropic
 import openai
 import pytest
+from server_helpers import API_KEY, BODY_LIMIT  # tests/server/server_helpers.py
 
 from deepinfer_jax.engine.llm import LLM
 from deepinfer_jax.server import Server
 
 MODEL = "tiny-v3"
-API_KEY = "sk-test-0123456789abcdef"
-BODY_LIMIT = 4096
 # 72 blocks of 16 tokens (one reserved) and 17 state slots of tiny-v3 in float32 (as tests/engine/test_engine_chat.py):
 # one request may hold 1136 tokens, enough for a prompt with a tool definition (about 700 tokens).
 ENGINE = dict(

@@ -6,6 +6,11 @@ from typing import Any
 
 from deepinfer_jax.engine.params import SamplingParams
 
+API_KEY = "sk-test-0123456789abcdef"
+"""The key of the keyed server (tests/server/conftest.py)."""
+BODY_LIMIT = 4096
+"""The keyed server's request body limit, in bytes."""
+
 # Ids of the synthetic tokenizer's markers (docs/text.md): EOS, <think>, </think>, ｜DSML｜.
 EOS, THINK, END_THINK, DSML = 1, 5, 6, 7
 

@@ -14,8 +14,7 @@ import anthropic
 import httpx2
 import openai
 import pytest
-from conftest import API_KEY, BODY_LIMIT  # tests/server/conftest.py
-from server_helpers import assert_engine_empty  # tests/server/server_helpers.py
+from server_helpers import API_KEY, BODY_LIMIT, assert_engine_empty  # tests/server/server_helpers.py
 
 HELLO = [{"role": "user", "content": "hi"}]
 JSON_ASK = [{"role": "user", "content": "answer in json"}]
