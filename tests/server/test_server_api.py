@@ -137,21 +137,26 @@ def test_thinking_per_request(client, engine, stream):
     assert usage.prompt_tokens == off.usage["prompt_tokens"] < ref.usage["prompt_tokens"]
 
 
+TOOL_QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_call_reference(engine):
+    """The forced DSML tool call through ``LLM.chat`` (one offline run for both transports: a 700-token prompt)."""
+    golden = [*tool_call_ids(engine.llm.tokenizer), EOS]
+    params = SamplingParams(temperature=0.0, max_tokens=len(golden), golden_token_ids=golden)
+    return golden, offline_chat(engine, TOOL_QUESTION, params, tools=[WEATHER_TOOL])
+
+
 @STREAMING
-def test_tool_calls_are_parsed_by_token_id(client, engine, encoder, stream):
+def test_tool_calls_are_parsed_by_token_id(client, engine, encoder, tool_call_reference, stream):
     """The model's output is forced (golden_token_ids, teacher forcing) to a DSML tool call: the server returns it
-    as an OpenAI tool call. The same block spelled with ordinary tokens (no ｜DSML｜ id) stays text."""
-    question = [{"role": "user", "content": "Weather in Paris?"}]
+    as an OpenAI tool call, as LLM.chat parses it. Streaming, the same block spelled with ordinary tokens (no
+    ｜DSML｜ id) stays text (the incremental parser recognises the marker by id only)."""
     tok = engine.llm.tokenizer
-    golden = [*tool_call_ids(tok), EOS]
-    kw = dict(messages=question, tools=[WEATHER_TOOL], temperature=0, max_tokens=len(golden))
+    golden, ref = tool_call_reference
+    kw = dict(messages=TOOL_QUESTION, tools=[WEATHER_TOOL], temperature=0, max_tokens=len(golden))
     content, _, calls, finish, usage = _chat(client, stream, extra_body={"golden_token_ids": golden}, **kw)
-    ref = offline_chat(
-        engine,
-        question,
-        SamplingParams(temperature=0.0, max_tokens=len(golden), golden_token_ids=golden),
-        tools=[WEATHER_TOOL],
-    )
     assert [(c.name, c.arguments) for c in ref.tool_calls] == calls
     ((name, arguments),) = calls
     assert name == "get_weather" and json.loads(arguments) == {"city": "Paris", "days": 2}
@@ -159,15 +164,16 @@ def test_tool_calls_are_parsed_by_token_id(client, engine, encoder, stream):
     # The tool definition is part of the prompt.
     assert (
         usage.prompt_tokens
-        == len(encoder.encode(question, tools=[WEATHER_TOOL]))
-        > len(encoder.encode(question))
+        == len(encoder.encode(TOOL_QUESTION, tools=[WEATHER_TOOL]))
+        > len(encoder.encode(TOOL_QUESTION))
     )
     assert usage.completion_tokens == len(golden)
-    spelled = [*spell(tok, tok.decode(tool_call_ids(tok))), EOS]
-    content, _, calls, finish, _ = _chat(
-        client, stream, extra_body={"golden_token_ids": spelled}, **{**kw, "max_tokens": len(spelled)}
-    )
-    assert calls == [] and finish == "stop" and "<｜DSML｜tool_calls>" in content
+    if stream:
+        spelled = [*spell(tok, tok.decode(tool_call_ids(tok))), EOS]
+        content, _, calls, finish, _ = _chat(
+            client, stream, extra_body={"golden_token_ids": spelled}, **{**kw, "max_tokens": len(spelled)}
+        )
+        assert calls == [] and finish == "stop" and "<｜DSML｜tool_calls>" in content
 
 
 def test_special_token_spellings_in_chat_content_stay_text(client, engine, encoder):
