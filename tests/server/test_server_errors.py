@@ -291,3 +291,38 @@ def test_a_non_streaming_client_that_disconnects_aborts_its_request(server, engi
         httpx2.post(f"{server.url}/v1/completions", json=body, timeout=httpx2.Timeout(1.5, connect=30))
     _wait_until(lambda: _aborted(engine) == before + 1)
     assert_engine_empty(engine)
+
+
+# ------------------------------------------------------------------------------------------- a failing step
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_failed_step_is_a_500_and_the_server_serves_on(server, engine, monkeypatch, stream):
+    """A step that raises ends the request with a server error (a 500 body, or an error event in the stream),
+    the engine recovers, and the next request is served."""
+    executor = engine.llm.executor
+    original = executor.run
+    calls = {"n": 0}
+
+    def failing(plan):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected step failure")
+        return original(plan)
+
+    monkeypatch.setattr(executor, "run", failing)
+    body = {"model": "tiny-v3", "messages": HELLO, "max_tokens": 8, "stream": stream}
+    r = httpx2.post(f"{server.url}/v1/chat/completions", json=body, timeout=300)
+    if stream:
+        assert r.status_code == 200  # the stream had started; the failure comes as its last event
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"  # OpenAI's stream end, after the error event
+        assert "injected step failure" in events[-2] and '"type": "server_error"' in events[-2]
+    else:
+        assert r.status_code == 500
+        error = r.json()["error"]
+        assert error["type"] == "server_error" and "injected step failure" in error["message"]
+    assert_engine_empty(engine)
+    monkeypatch.setattr(executor, "run", original)
+    ok = httpx2.post(f"{server.url}/v1/chat/completions", json={**body, "stream": False}, timeout=300)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
