@@ -94,6 +94,20 @@ def _admit(add: Callable[[], Any]) -> Any:
         raise APIError(400, str(exc)) from None
 
 
+def _add_all(engine: AsyncLLM, choices: list[Any]) -> list[RequestStream]:
+    """One engine request per choice; if one is refused, those already queued are aborted."""
+    streams: list[RequestStream] = []
+    try:
+        for j, prepared in enumerate(choices):
+            prompt = {"prompt_token_ids": prepared.prompt_token_ids}
+            streams.append(engine.add_request(prompt, prepared.params, f"{prepared.response_id}-{j}"))
+    except BaseException:
+        for stream in streams:
+            engine.abort_nowait(stream.request_id)
+        raise
+    return streams
+
+
 async def _unless_disconnected(
     request: Request, work: Awaitable[str], streams: list[RequestStream]
 ) -> Response:
@@ -248,7 +262,16 @@ def build_app(
 
     async def run_protocol(request: Request, protocol: protocols.Protocol) -> Response:
         body = await read_json(request, limit)
-        prepared = await run_in_threadpool(protocols.prepare, ctx, protocol, body)
+        choices = await run_in_threadpool(protocols.prepare_all, ctx, protocol, body)
+        if len(choices) > 1:
+            streams = _admit(lambda: _add_all(engine, choices))
+            if choices[0].stream:
+                events = protocols.generate_sse_n(ctx, choices, streams, metrics.observe)
+                return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+            return await _unless_disconnected(
+                request, protocols.generate_json_n(ctx, choices, streams, metrics.observe), streams
+            )
+        (prepared,) = choices
         stream = _admit(
             lambda: engine.add_request(
                 {"prompt_token_ids": prepared.prompt_token_ids}, prepared.params, prepared.response_id

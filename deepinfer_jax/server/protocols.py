@@ -10,7 +10,7 @@ stage, tool-call parsing, stop strings), resolves the token limit against the co
 What this module adds:
 
 * the field checks the recipe's JSON reader reports without the field's name (``check_fields``), the model name
-  (404 for another model), ``n`` (only 1 here: several choices per request exist on ``/v1/completions``), the Chat
+  (404 for another model), ``n`` (Chat Completions: :func:`prepare_all` makes one engine request per choice), the Chat
   Completions spelling ``max_completion_tokens``;
 * the sampling fields the recipe does not carry, OpenAI's ``presence_penalty`` / ``frequency_penalty`` and
   Anthropic's ``top_k``, and the vLLM-style extensions ``top_k``, ``min_p``, ``repetition_penalty``,
@@ -30,6 +30,7 @@ What this module adds:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import json
@@ -42,7 +43,14 @@ import deepseek_recipe as recipe
 
 from deepinfer_jax.engine import chat as chat_lib
 from deepinfer_jax.engine.async_llm import AsyncLLM, RequestStream
-from deepinfer_jax.engine.params import RequestOutput, RequestOutputKind, SamplingParams, validate_request
+from deepinfer_jax.engine.params import (
+    MAX_N,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+    derive_seed,
+    validate_request,
+)
 from deepinfer_jax.server.errors import (
     APIError,
     check_fields,
@@ -65,8 +73,11 @@ __all__ = [
     "ServingContext",
     "constraint_params",
     "generate_json",
+    "generate_json_n",
     "generate_sse",
+    "generate_sse_n",
     "prepare",
+    "prepare_all",
     "sampling_params",
 ]
 
@@ -240,21 +251,41 @@ def sampling_params(
     return chat_lib.chat_sampling_params(params, 1, ctx.turn_end_id, ctx.engine.llm.eos_token_ids)[0]
 
 
-def prepare(ctx: ServingContext, protocol: Protocol, body: Any) -> Prepared:
-    """Check, convert and encode one request body (a parsed JSON value); every refusal is an :class:`APIError`
-    raised before the engine sees anything."""
+def prepare_all(ctx: ServingContext, protocol: Protocol, body: Any) -> list[Prepared]:
+    """:func:`prepare` for each of a Chat Completions request's ``n`` choices (one engine request each, with one
+    response id); with a ``seed``, choice ``j`` draws with ``derive_seed(seed, j)``, as ``LLM.generate`` seeds
+    the ``n`` samples of one request. Other protocols have no ``n``."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    check_fields(body, protocol.fields)
+    n = 1 if body.get("n") is None else body["n"]
+    if protocol is not CHAT and n != 1:
+        raise APIError(400, f"n = {n}: {protocol.name} requests have one choice (n = 1)", param="n")
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"n = {n} must be in [1, {MAX_N}]", param="n")
+    first = prepare(ctx, protocol, {**body, "n": None})
+    if n == 1:
+        return [first]
+    out = [first]
+    for _ in range(1, n):
+        # The recipe's conversion consumes its request: each choice converts the body again (same prompt).
+        out.append(prepare(ctx, protocol, {**body, "n": None}, response_id=first.response_id))
+    seed = first.params.seq_seed
+    if seed is not None:
+        for j, prepared in enumerate(out):
+            prepared.params = prepared.params.replace(seed=derive_seed(seed, j))
+    return out
+
+
+def prepare(
+    ctx: ServingContext, protocol: Protocol, body: Any, *, response_id: str | None = None
+) -> Prepared:
+    """Check, convert and encode one request body (a parsed JSON value) as one choice; every refusal is an
+    :class:`APIError` raised before the engine sees anything."""
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     check_fields(body, protocol.fields)
     ctx.check_model(body)
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise APIError(
-            400,
-            f"n = {n}: only n = 1 is supported here (several choices per request are built for /v1/completions "
-            "only)",
-            param="n",
-        )
     if protocol is CHAT and body.get("max_completion_tokens") is not None:
         mct = body["max_completion_tokens"]
         if body.get("max_tokens") not in (None, mct):
@@ -297,7 +328,7 @@ def prepare(ctx: ServingContext, protocol: Protocol, body: Any) -> Prepared:
             stop=stop or None,
             **extra,
         )
-        response_id = f"{protocol.id_prefix}{uuid.uuid4().hex}"
+        response_id = response_id or f"{protocol.id_prefix}{uuid.uuid4().hex}"
         generator = decorate(
             protocol.request_cls.chunk_generator(converted, response_id, ctx.served_model_name)
         )
@@ -513,3 +544,92 @@ async def generate_json(
         if not finished:
             ctx.engine.abort_nowait(stream.request_id)
     return feed.json(response)
+
+
+# ------------------------------------------------------------------------------------------- n choices
+
+
+async def generate_json_n(
+    ctx: ServingContext,
+    prepared: list[Prepared],
+    streams: list[RequestStream],
+    on_output: Callable[[RequestOutput], None] | None = None,
+) -> str:
+    """The Chat Completions response of ``n`` choices: each choice's own response, merged (choice ``j`` at index
+    ``j``; the prompt counted once in the usage)."""
+    tasks = [asyncio.ensure_future(generate_json(ctx, p, s, on_output)) for p, s in zip(prepared, streams)]
+    try:
+        bodies = [json.loads(text) for text in await asyncio.gather(*tasks)]
+    finally:
+        for task in tasks:
+            task.cancel()
+    merged = bodies[0]
+    merged["choices"] = [{**b["choices"][0], "index": j} for j, b in enumerate(bodies)]
+    usage = merged.get("usage")
+    if isinstance(usage, dict):
+        usage["completion_tokens"] = sum(int(b["usage"]["completion_tokens"]) for b in bodies)
+        usage["total_tokens"] = int(usage.get("prompt_tokens") or 0) + usage["completion_tokens"]
+    return json.dumps(merged, ensure_ascii=False, separators=(",", ":"))
+
+
+async def generate_sse_n(
+    ctx: ServingContext,
+    prepared: list[Prepared],
+    streams: list[RequestStream],
+    on_output: Callable[[RequestOutput], None] | None = None,
+) -> AsyncIterator[str]:
+    """The Chat Completions stream of ``n`` choices: every choice's chunks as they come, re-indexed (choice ``j``
+    at index ``j``), without their own usage; one usage chunk for the whole request (the prompt counted once),
+    then ``[DONE]``."""
+    queue: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
+
+    async def pump(j: int) -> None:
+        try:
+            async for event in generate_sse(ctx, prepared[j], streams[j], on_output):
+                await queue.put((j, event))
+        finally:
+            await queue.put((j, None))
+
+    tasks = [asyncio.ensure_future(pump(j)) for j in range(len(prepared))]
+    usages: dict[int, dict[str, Any]] = {}
+    head: dict[str, Any] | None = None
+    try:
+        left = len(tasks)
+        while left:
+            j, event = await queue.get()
+            if event is None:
+                left -= 1
+                continue
+            data = event[6:].strip() if event.startswith("data: ") else None
+            if data is None or data == "[DONE]":
+                continue
+            chunk = json.loads(data)
+            if "error" in chunk:
+                yield event
+                continue
+            if chunk.get("usage"):
+                usages[j] = chunk["usage"]
+            chunk["usage"] = None
+            head = head or {k: chunk.get(k) for k in ("id", "object", "created", "model")}
+            choices = chunk.get("choices") or []
+            if not choices:
+                continue
+            for c in choices:
+                c["index"] = j
+            yield f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        if usages and head is not None:
+            prompt = int(next(iter(usages.values())).get("prompt_tokens") or 0)
+            completion = sum(int(u.get("completion_tokens") or 0) for u in usages.values())
+            usage = {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            }
+            yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            if not stream.finished:
+                ctx.engine.abort_nowait(stream.request_id)

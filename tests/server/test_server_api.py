@@ -24,7 +24,7 @@ from server_helpers import (  # tests/server/server_helpers.py
     tool_call_ids,
 )
 
-from deepinfer_jax.engine.params import SamplingParams
+from deepinfer_jax.engine.params import SamplingParams, derive_seed
 from deepinfer_jax.text import ChatEncoder
 
 HELLO = [{"role": "user", "content": "hi"}]
@@ -444,3 +444,33 @@ def test_completions_n_is_llm_generate_n_with_the_same_seed(client, engine, stre
         usage = r.usage
     assert tokens == want
     assert usage.prompt_tokens == 6 and usage.completion_tokens == 36
+
+
+@STREAMING
+def test_chat_n_choices_are_the_seeded_samples(client, engine, stream):
+    """n choices of one chat request: choice j is LLM.chat with the seed LLM.generate gives its j-th of n samples
+    (derive_seed(seed, j)); the prompt is counted once in the usage."""
+    refs = [
+        offline_chat(
+            engine, SYSTEM_CHAT, SamplingParams(temperature=1.0, seed=derive_seed(31, j), max_tokens=6)
+        )
+        for j in range(3)
+    ]
+    assert len({r.content for r in refs}) == 3
+    kw = dict(model="tiny-v3", messages=SYSTEM_CHAT, temperature=1.0, seed=31, max_tokens=6, n=3)
+    if stream:
+        texts: dict[int, str] = {}
+        usage = None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            usage = chunk.usage or usage
+        contents = [texts[j] for j in range(3)]
+    else:
+        r = client.chat.completions.create(**kw)
+        assert [c.index for c in r.choices] == [0, 1, 2]
+        contents = [c.message.content for c in r.choices]
+        usage = r.usage
+    assert contents == [r.content for r in refs]
+    assert usage.prompt_tokens == refs[0].usage["prompt_tokens"]
+    assert usage.completion_tokens == sum(r.usage["completion_tokens"] for r in refs)

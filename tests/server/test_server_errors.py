@@ -132,7 +132,15 @@ BAD_REQUESTS = [
         "top_logprobs",
         ["50", "[0, 20]"],
     ),
-    ("n > 1", CHAT, {"model": "tiny-v3", "messages": HELLO, "n": 3}, 400, "n", ["n = 3", "only n = 1"]),
+    ("n = 0", CHAT, {"model": "tiny-v3", "messages": HELLO, "n": 0}, 400, "n", ["n = 0", "[1, 256]"]),
+    (
+        "n > 1 on messages",
+        "/v1/messages",
+        {"model": "tiny-v3", "max_tokens": 4, "messages": HELLO, "n": 3},
+        400,
+        "n",
+        ["n = 3", "one choice"],
+    ),
     (
         "prompt too long",
         CHAT,
@@ -220,7 +228,7 @@ def test_the_clients_raise_the_status_and_message(client, claude):
     assert info.value.body["param"] == "temperature"
     with pytest.raises(openai.NotFoundError, match="The model 'gpt-4' does not exist"):
         client.completions.create(model="gpt-4", prompt="hi")
-    with pytest.raises(anthropic.BadRequestError, match=r"n = 2: only n = 1"):
+    with pytest.raises(anthropic.BadRequestError, match=r"n = 2: messages requests have one choice"):
         claude.messages.create(model="tiny-v3", max_tokens=4, messages=HELLO, extra_body={"n": 2})
 
 
