@@ -69,13 +69,29 @@ def format_report(report: dict[str, Any]) -> str:
     if "server" in report:
         rows.insert(0, ("server", f"{report['server']['url']} serving {report['server']['model']!r}"))
     if kv is None:
-        rows.append(("KV bytes/token", "- (a server run)"))
+        rows.append(("KV cache", "- (a server run: not visible to the client)"))
     else:
+        state = kv.get("engine_state_bytes_per_seq") or 0
         rows.append(
             (
-                "KV bytes/token",
-                f"{kv['engine_cache']:.0f} in this run's cache ({kv['engine_cache_dtype']}); "
-                f"{kv['production_format']:g} in the production format",
+                "KV cache, this run",
+                f"{kv['engine_cache']:.0f} B per cached token in the paged cache ({kv['engine_cache_dtype']} "
+                "values, unquantised)"
+                + (
+                    f" + {state:.0f} B of state per sequence (sliding window, compressor state)"
+                    if state
+                    else ""
+                ),
+            )
+        )
+        formats = kv.get("production_record_formats") or {}
+        rows.append(
+            (
+                "KV cache, production",
+                f"{kv['production_format']:g} B per token over all layers, every record counted per token "
+                "(not this run's storage"
+                + ("; records: " + "; ".join(f"{k} {v}" for k, v in formats.items()) if formats else "")
+                + ")",
             )
         )
     wu = report["warmup"]

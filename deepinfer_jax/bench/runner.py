@@ -172,8 +172,9 @@ class EngineBench:
         return str(builtin.materialize(w) if builtin.is_builtin(w) else w)
 
     def kv_bytes(self) -> dict[str, float]:
-        """KV bytes per token: the production formats (all layers, and with MTP/draft layers) and what the
-        engine's cache stores in this run's precision mode."""
+        """KV bytes per token: the production formats (FP8 / FP4 records with their scales, or V3's bf16 latent;
+        all layers, and with MTP/draft layers) and, apart, what this run's paged cache stores per cached token in
+        its precision mode (per-sequence state slots, e.g. V4's sliding window, counted per sequence instead)."""
         cfg = self.llm.model.config
         spec = self.llm.memory_plan.spec
         return {
@@ -181,8 +182,10 @@ class EngineBench:
             "production_format_with_draft_layers": float(
                 cache_lib.kv_bytes_per_token(cfg, num_draft_layers=cfg.num_nextn_predict_layers or 0)
             ),
+            "production_record_formats": cache_lib.describe_record_formats(cfg),
             "engine_cache": float(spec.bytes_per_token),
             "engine_cache_dtype": spec.dtype,
+            "engine_state_bytes_per_seq": float(spec.layout.bytes_per_slot),
         }
 
     def _params(self, max_tokens: int) -> SamplingParams:

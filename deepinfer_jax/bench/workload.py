@@ -137,7 +137,7 @@ class Workload:
 
     Attributes:
       model: a built-in name (``tiny-v3``) or a model folder.
-      dtype: ``"float32"`` (parity) or ``"bfloat16"`` (production).
+      dtype: ``"bfloat16"`` (production, the default, as for ``LLM`` and every command) or ``"float32"`` (parity).
       num_requests: requests per measured run.
       prompt_len, output_len: length distributions (strings such as ``"32"`` are parsed).
       batch_size: requests handed to one ``generate`` call (``None``: all at once); the baseline batches the same.
@@ -157,7 +157,7 @@ class Workload:
     """
 
     model: str = "tiny-v3"
-    dtype: str = "float32"
+    dtype: str = "bfloat16"
     num_requests: int = 16
     prompt_len: LengthDist = dataclasses.field(default_factory=lambda: LengthDist("constant", 32))
     output_len: LengthDist = dataclasses.field(default_factory=lambda: LengthDist("constant", 64))

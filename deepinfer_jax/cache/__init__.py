@@ -6,9 +6,16 @@ record formats, so page and slot sizes follow the formats instead of repeating t
 
 from deepinfer_jax.cache.record_bytes import (
     cache_record_formats,
+    describe_record_formats,
     kv_bytes_per_block,
     kv_bytes_per_token,
     record_bytes,
 )
 
-__all__ = ["cache_record_formats", "kv_bytes_per_block", "kv_bytes_per_token", "record_bytes"]
+__all__ = [
+    "cache_record_formats",
+    "describe_record_formats",
+    "kv_bytes_per_block",
+    "kv_bytes_per_token",
+    "record_bytes",
+]

@@ -182,3 +182,25 @@ def kv_bytes_per_block(
             f"(bytes per block would be {total}); use a multiple of every compression ratio"
         )
     return int(total)
+
+
+_ELEMENT_NAMES = {"e4m3": "FP8 E4M3", "e2m1": "FP4 E2M1", "bf16": "bf16"}
+_SCALE_NAMES = {"ue8m0": "UE8M0", "e4m3": "E4M3"}
+
+
+def describe_record_formats(model_config: Any) -> dict[str, str]:
+    """One line per cache kind of the production formats, saying what its bytes are: ``{"window": "132 B:
+    128 B of FP8 E4M3 codes + 4 B of UE8M0 scales (one per 32)", ...}``. Quantised records carry their scales,
+    so at small head dims they can be larger than an unquantised record of the same values."""
+    out = {}
+    for kind, fmt in cache_record_formats(model_config).items():
+        element = _ELEMENT_NAMES.get(fmt.element, fmt.element)
+        if fmt.scale is None:
+            out[kind] = f"{fmt.record_bytes} B: {fmt.num_elements} {element} values, unquantised"
+        else:
+            scale = _SCALE_NAMES.get(fmt.scale, fmt.scale)
+            out[kind] = (
+                f"{fmt.record_bytes} B: {fmt.code_bytes} B of {element} codes + {fmt.scale_bytes} B of {scale} "
+                f"scales (one per {fmt.group_size})"
+            )
+    return out

@@ -418,3 +418,89 @@ def read_config(path: str | os.PathLike[str] | CheckpointReader) -> dict[str, An
     if not isinstance(doc, dict):
         raise ValueError(f"{file}: expected a JSON object, got {type(doc).__name__}")
     return doc
+
+
+_DECLARED_FLOATS = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "half": "float16"}
+
+KEPT_IN_FLOAT32 = (
+    "*norm.weight",
+    "*norm.bias",
+    "*.bias",
+    "*e_score_correction_bias",
+    "*scale_inv",
+    "*_scale",
+    "*.scale",
+    "*attn_sink*",
+    "*.gate.weight",
+    "*.gate.bias*",
+    "*hc_*_fn",
+    "*hc_*_base",
+    "*compressor.ape",
+)
+"""Tensors that HF checkpoints legitimately store in float32 whatever their ``torch_dtype`` (glob patterns):
+normalisation weights and biases, the router's gate, its biases and ``e_score_correction_bias``, attention sinks,
+the DeepSeek-V4 / V4.1 hyper-connection mixers (``hc_*_fn``, ``hc_*_base``) and compressor position biases
+(``compressor.ape``), and the dequantisation scales that come with FP8 / FP4 weights (``weight_scale_inv``,
+``*_scale``)."""
+
+
+def check_declared_dtypes(
+    reader: CheckpointReader, names: Iterable[str], torch_dtype: Any, *, config_source: str = "config.json"
+) -> list[str]:
+    """Check the floating tensors of ``names`` against the checkpoint's declared ``torch_dtype``.
+
+    A 16-bit floating tensor of the other 16-bit type (a float16 tensor in a bfloat16 checkpoint, or the
+    reverse), or a 16-bit tensor in a float32 checkpoint, is a :class:`CheckpointError` naming every such tensor:
+    its values were written in another format than the one the checkpoint declares, so they are not the
+    checkpoint's weights (a relabelled header gives other tokens silently). A float32 tensor in a 16-bit checkpoint
+    is accepted: silently when it is one HF checkpoints keep in float32 (:data:`KEPT_IN_FLOAT32`), else with a
+    warning naming it (it widens the checkpoint but loses nothing). Quantised codes (FP8, FP4, integers) are not
+    floating tensors and are not checked here. Without a declared ``torch_dtype`` (or with one that is not a
+    floating dtype name), 16-bit tensors of both types in one checkpoint are the error.
+
+    Returns the float32 tensors outside :data:`KEPT_IN_FLOAT32` (one line each), which it logs as one warning.
+    """
+    declared = _DECLARED_FLOATS.get(str(torch_dtype).removeprefix("torch.")) if torch_dtype else None
+    infos = [reader.info(stored) for stored in (reader.find(n) for n in names) if stored is not None]
+    floats = [i for i in infos if i.dtype.name in _DECLARED_FLOATS.values()]
+    problems: list[str] = []
+    warned: list[str] = []
+    where = f"{config_source} declares torch_dtype {declared!r}"
+    if declared is None:
+        sixteen = {i.dtype.name for i in floats if i.dtype.itemsize == 2}
+        if len(sixteen) > 1:
+            counts = {d: sum(i.dtype.name == d for i in floats) for d in sixteen}
+            minority = min(counts, key=lambda d: (counts[d], d))
+            majority = max(counts, key=lambda d: (counts[d], d))
+            problems += [
+                f"dtype: {i.name!r} is stored as {minority} ({i.storage_dtype} in {i.file}) while "
+                f"{counts[majority]} other tensor(s) are {majority} and {config_source} declares no torch_dtype; "
+                "a checkpoint holds one 16-bit floating type"
+                for i in floats
+                if i.dtype.name == minority
+            ]
+    else:
+        for i in floats:
+            stored = i.dtype.name
+            if stored == declared:
+                continue
+            if stored == "float32":
+                if not _ignored(i.name, KEPT_IN_FLOAT32):
+                    warned.append(f"{i.name!r} is stored as float32 ({i.file}) but {where}")
+                continue
+            problems.append(
+                f"dtype: {i.name!r} is stored as {stored} ({i.storage_dtype} in {i.file}) but {where} and the "
+                f"model reads {declared} tensors; the header does not describe the checkpoint's weights "
+                "(re-export the tensor in the declared dtype, or fix torch_dtype)"
+            )
+    if warned:
+        shown = "; ".join(warned[:4]) + (f"; and {len(warned) - 4} more" if len(warned) > 4 else "")
+        _log.warning(
+            "checkpoint %s: %d float32 tensor(s) where HF checkpoints keep the declared dtype, loaded as they are: %s",
+            reader.path,
+            len(warned),
+            shown,
+        )
+    if problems:
+        _raise(reader, problems)
+    return warned

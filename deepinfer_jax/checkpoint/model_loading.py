@@ -6,7 +6,8 @@ Loading is the same for every family and every source:
    (single or sharded safetensors) or an orbax checkpoint folder written by ``deepinfer-jax convert``;
 2. parse its ``config.json`` (an unknown ``model_type`` or ``architectures`` entry is refused here, before any
    tensor is read) and pick the family (:func:`deepinfer_jax.models.registry.get_family`);
-3. check every tensor against the family's contract and load them one at a time onto their sharding
+3. check the floating tensors' dtypes against ``config.json``'s ``torch_dtype``
+   (:func:`deepinfer_jax.checkpoint.loader.check_declared_dtypes`), then every tensor against the family's contract and load them one at a time onto their sharding
    (:func:`deepinfer_jax.checkpoint.load_tensors`): missing, unexpected, wrongly shaped or typed tensors (and
    NaN/inf with ``validate=True``) are all reported together and nothing is returned half-loaded;
 4. run the family's load-time transforms (``assemble_params``) for the precision mode.
@@ -26,7 +27,7 @@ import jax
 import numpy as np
 
 from deepinfer_jax.checkpoint.deferred import DeferredTensor, deferring, is_expert_tensor
-from deepinfer_jax.checkpoint.loader import ShardingSpec, load_tensors, read_config
+from deepinfer_jax.checkpoint.loader import ShardingSpec, check_declared_dtypes, load_tensors, read_config
 from deepinfer_jax.checkpoint.reader import open_checkpoint
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.models import builtin
@@ -163,6 +164,10 @@ def load_model(
         cfg = ModelConfig.from_hf(hf, source=source)
         family = get_family(cfg.family)
         expected = family.expected_tensors(cfg)
+        # Before any tensor is read: a tensor stored in another floating type than config.json declares.
+        check_declared_dtypes(
+            reader, expected, cfg.checkpoint_dtype, config_source=f"the checkpoint's config.json ({source})"
+        )
         tensors = load_tensors(
             reader,
             expected,

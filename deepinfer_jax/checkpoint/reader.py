@@ -651,7 +651,7 @@ def check_destination(dst: Path, *, overwrite: bool) -> None:
     if dst.exists() and not dst.is_dir():
         raise ValueError(f"destination {dst} exists and is not a folder")
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
-        raise ValueError(f"destination {dst} exists and is not empty (pass overwrite to replace it)")
+        raise ValueError(f"destination {dst} exists and is not empty (pass overwrite=True to replace it)")
 
 
 def write_atomically(

@@ -22,6 +22,7 @@ from typing import Any
 from absl import flags
 
 from deepinfer_jax import config as config_lib
+from deepinfer_jax.cli import common
 
 
 def define_workload_flags(fv: flags.FlagValues) -> None:
@@ -29,7 +30,9 @@ def define_workload_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string(
         "model", None, "a built-in model name (tiny-v3, ...) or a model folder", flag_values=fv
     )
-    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "precision mode", flag_values=fv)
+    flags.DEFINE_enum(
+        "dtype", common.DEFAULT_DTYPE, ["float32", "bfloat16"], common.DTYPE_HELP, flag_values=fv
+    )
     flags.DEFINE_integer("num_requests", 16, "requests per measured run", flag_values=fv)
     flags.DEFINE_string(
         "prompt_len", "32", "prompt lengths: 32, 16:64 (uniform) or 8,16,32 (choice)", flag_values=fv

@@ -49,7 +49,7 @@ def define_flags(fv: flags.FlagValues) -> None:
         flag_values=fv,
     )
     flags.DEFINE_boolean("json", False, "print the parsed turn as one JSON object", flag_values=fv)
-    common.define_engine_flags(fv, max_tokens=256, max_tokens_help="most tokens in the reply")
+    common.define_engine_flags(fv, max_tokens=256)
 
 
 def parse_message(index: int, text: str) -> dict[str, str]:
@@ -99,7 +99,6 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
             file=sys.stderr,
         )
         return 2
-    from deepinfer_jax.engine.params import SamplingParams
     from deepinfer_jax.models import builtin
 
     notice = sys.stderr if fv.json else sys.stdout
@@ -108,10 +107,17 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
         if fv.system is not None:
             messages.insert(0, {"role": "system", "content": fv.system})
         tools = load_tools(fv.tools) if fv.tools is not None else None
-        params = SamplingParams(
-            temperature=fv.temperature, top_p=fv.top_p, top_k=fv.top_k, max_tokens=fv.max_tokens
-        )
+        # Every flag is checked before the model loads (LLM checks its settings before reading any weight).
+        params = common.sampling_params_from_flags(fv)
+        if params.n != 1:
+            raise ValueError(
+                f"--n={params.n}: chat prints one reply per conversation; use `deepinfer-jax generate --n` for "
+                "several samples of one prompt"
+            )
+        common.resolve_model(fv.model)
         llm = common.llm_from_flags(fv)
+        if fv.verbose:
+            print(llm.memory_plan.describe(), file=notice)
         if builtin.is_builtin(fv.model):
             print(
                 f"{fv.model} is a built-in test model with random weights: its replies are noise.",
@@ -127,7 +133,7 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
             chat_version=fv.chat_version,
         )
     except (ValueError, TypeError, NotImplementedError) as err:
-        print(f"chat: error: {err}", file=sys.stderr)
+        print(f"chat: error: {common.flag_message(err)}", file=sys.stderr)
         return 2
     if fv.json:
         record = dataclasses.asdict(output)

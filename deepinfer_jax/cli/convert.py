@@ -35,7 +35,13 @@ DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
 
 
 def define_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_string("src", None, "source checkpoint folder (HF safetensors or orbax)", flag_values=fv)
+    flags.DEFINE_string(
+        "src",
+        None,
+        "source checkpoint: a folder (HF safetensors or orbax) or a built-in model name (tiny-v3, tiny-v4, "
+        "tiny-v41: its random-weight HF folder)",
+        flag_values=fv,
+    )
     flags.DEFINE_string(
         "dst", None, "destination folder (created; must not exist or be empty)", flag_values=fv
     )
@@ -55,9 +61,14 @@ def define_flags(fv: flags.FlagValues) -> None:
 def convert_checkpoint(
     src: str | Path, dst: str | Path, to: str, *, max_shard_bytes: int | None = None, overwrite: bool = False
 ) -> Path:
-    """Convert the checkpoint at ``src`` into format ``to`` (``"orbax"`` or ``"hf"``) at ``dst``."""
+    """Convert the checkpoint at ``src`` (a folder or a built-in model name) into format ``to`` (``"orbax"`` or
+    ``"hf"``) at ``dst``."""
     if to not in ("orbax", "hf"):
         raise ValueError(f"to: {to!r} must be 'orbax' or 'hf'")
+    from deepinfer_jax.models import builtin
+
+    if isinstance(src, str) and builtin.is_builtin(src):
+        src = builtin.materialize(src)
     src, dst = Path(src), Path(dst)
     if src.resolve() == dst.resolve():
         raise ValueError(f"dst: {dst} is the source folder; convert into a new folder")
@@ -102,7 +113,9 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
             fv.src, fv.dst, fv.to, max_shard_bytes=fv.max_shard_bytes, overwrite=fv.overwrite
         )
     except (CheckpointError, ValueError, TypeError, OSError) as e:
-        print(f"deepinfer-jax convert: error: {e}", file=sys.stderr)
+        # The library's errors name its arguments (overwrite=True); on the command line they are flags.
+        message = str(e).replace("pass overwrite=True", "pass --overwrite")
+        print(f"deepinfer-jax convert: error: {message}", file=sys.stderr)
         return 1
     with open_checkpoint(out) as result:
         total = sum(result.info(n).nbytes for n in result.names())

@@ -24,8 +24,7 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_multi_string(
         "prompt_ids", [], "a prompt as comma-separated token ids (repeatable)", flag_values=fv
     )
-    common.define_engine_flags(fv, max_tokens=16, max_tokens_help="tokens to generate per prompt")
-    flags.DEFINE_boolean("ignore_eos", False, "keep generating after EOS", flag_values=fv)
+    common.define_engine_flags(fv, max_tokens=16)
 
 
 def _parse_ids(items: list[str]) -> list[list[int]]:
@@ -38,6 +37,30 @@ def _parse_ids(items: list[str]) -> list[list[int]]:
     return out
 
 
+def _check_prompt_ids(fv: flags.FlagValues, prompt_ids: list[list[int]], params: object) -> None:
+    """Token-id prompts against the model's config.json (no weights read): ids inside the vocabulary, lengths
+    within --max_model_len (or the model's max_position_embeddings; the engine checks the exact limit)."""
+    if not prompt_ids:
+        return
+    from deepinfer_jax import config as config_lib
+    from deepinfer_jax.engine.params import validate_request
+
+    model = config_lib.load_config(common.resolve_model(fv.model)[0]).model
+    if model is None:
+        return
+    limit = fv.max_model_len or model.max_position_embeddings or 2**31 - 1
+    for i, ids in enumerate(prompt_ids):
+        try:
+            validate_request(ids, params, vocab_size=model.vocab_size, max_model_len=limit)
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"--prompt_ids[{i}]: {err}") from None
+
+
+def _format_logprobs(token_ids: list[int], logprobs: list[dict]) -> str:
+    """Each generated token's logprob, e.g. ``5:-0.12 9:-1.70``."""
+    return " ".join(f"{t}:{entry[t].logprob:.4f}" for t, entry in zip(token_ids, logprobs, strict=False))
+
+
 def main(argv: list[str], fv: flags.FlagValues) -> int:
     if len(argv) > 1:
         print(f"generate: unexpected arguments {argv[1:]}; prompts go in --prompt", file=sys.stderr)
@@ -45,37 +68,37 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
     if bool(fv.prompt) == bool(fv.prompt_ids):
         print("generate: give --prompt or --prompt_ids (one of them)", file=sys.stderr)
         return 2
-    from deepinfer_jax.engine.params import SamplingParams
     from deepinfer_jax.models import builtin
 
     try:
+        # Every flag is checked before the model loads: the sampling flags here, the prompts, then the engine
+        # settings inside LLM (which checks them before reading any weight).
+        params = common.sampling_params_from_flags(fv)
+        prompt_ids = _parse_ids(list(fv.prompt_ids))
+        common.resolve_model(fv.model)
+        _check_prompt_ids(fv, prompt_ids, params)
         llm = common.llm_from_flags(fv)
-        params = SamplingParams(
-            temperature=fv.temperature,
-            top_p=fv.top_p,
-            top_k=fv.top_k,
-            max_tokens=fv.max_tokens,
-            ignore_eos=fv.ignore_eos,
-        )
         if builtin.is_builtin(fv.model):
             print(f"{fv.model} is a built-in test model with random weights: its completions are noise.")
-        print(llm.memory_plan.describe())
+        if fv.verbose:
+            print(llm.memory_plan.describe())
         if fv.prompt:
             outputs = llm.generate(list(fv.prompt), params, use_tqdm=fv.progress)
         else:
-            outputs = llm.generate(
-                prompt_token_ids=_parse_ids(list(fv.prompt_ids)), sampling_params=params, use_tqdm=fv.progress
-            )
+            outputs = llm.generate(prompt_token_ids=prompt_ids, sampling_params=params, use_tqdm=fv.progress)
     except (ValueError, TypeError, NotImplementedError) as err:
-        print(f"generate: error: {err}", file=sys.stderr)
+        print(f"generate: error: {common.flag_message(err)}", file=sys.stderr)
         return 2
     for i, out in enumerate(outputs):
-        c = out.outputs[0]
         shown = out.prompt if out.prompt is not None else out.prompt_token_ids
         print(f"[{i}] prompt: {shown!r}")
-        print(f"[{i}] output ({c.finish_reason}): {c.text!r} ids={c.token_ids}")
-        if c.error:
-            print(f"[{i}] error: {c.error}")
+        for c in out.outputs:
+            tag = f"[{i}]" if len(out.outputs) == 1 else f"[{i}.{c.index}]"
+            print(f"{tag} output ({c.finish_reason}): {c.text!r} ids={list(c.token_ids)}")
+            if c.logprobs is not None:
+                print(f"{tag} logprobs: {_format_logprobs(c.token_ids, c.logprobs)}")
+            if c.error:
+                print(f"{tag} error: {c.error}")
     assert llm.last_stats is not None
     if not fv.progress:  # with the progress bar, generate() has already printed the summary line
         print(llm.last_stats.summary(len(outputs)))

@@ -71,6 +71,14 @@ def collect(fv: flags.FlagValues) -> dict[str, Any]:
         from deepinfer_jax.models.deepseek_v4.plan_v41 import build_v41_plan, describe_plan
 
         out["layer_plan"] = describe_plan(build_v41_plan(model))
+    # The production cache formats (FP8 / FP4 records with their scales; V3's bf16 latent), not what the engine
+    # stores on this machine (float32 or bfloat16 values: `generate --verbose` prints that plan).
+    out["cache_sizes"] = (
+        "record_bytes_per_token and kv_bytes_per_token are the production cache formats (record_formats says "
+        "what each record holds, scales included); the engine's cache in a float32 or bfloat16 run stores "
+        "unquantised values instead: `deepinfer-jax generate --verbose` prints its plan"
+    )
+    out["record_formats"] = cache.describe_record_formats(model)
     out["record_bytes_per_token"] = dict(cache.record_bytes(model))
     # Exact rationals (a ratio-128 layer adds 2.25 B/token); shown as floats.
     out["kv_bytes_per_token"] = {

@@ -90,16 +90,29 @@ def _error(message: str) -> int:
     return 2
 
 
+def flag_help(f: flags.Flag) -> str:
+    """``--name: help (default: value)``; a flag without a default says so (``default: unset``)."""
+    if f.default is None or f.default == []:
+        default = "unset"
+    elif isinstance(f.default, bool):
+        default = "true" if f.default else "false"
+    else:
+        default = f.default_as_str or repr(f.default)
+        default = default.strip("'")
+    required = " (required)" if getattr(f, "required", False) else ""
+    return f"--{f.name}: {f.help} (default: {default}){required}"
+
+
 def _subcommand_help(sub: Subcommand, fv: flags.FlagValues) -> str:
     own = fv.get_flags_for_module(sub.module)
     common = [f for f in fv.flags_by_module_dict().items() if f[0] != sub.module]
     out = [f"usage: {PROG} {sub.name} [flags]", "", sub.summary, ""]
     if own:
         out.append("flags:")
-        out += ["  " + line for f in own for line in f"--{f.name}: {f.help}".splitlines()]
+        out += ["  " + line for f in own for line in flag_help(f).splitlines()]
     for module, module_flags in common:
         out.append(f"flags from {module}:")
-        out += ["  " + line for f in module_flags for line in f"--{f.name}: {f.help}".splitlines()]
+        out += ["  " + line for f in module_flags for line in flag_help(f).splitlines()]
     return "\n".join(out)
 
 

@@ -327,11 +327,13 @@ class _Settings:
     def root_kwargs(self) -> dict[str, Any]:
         return {k: v for k, (v, _) in self.values.items() if "." not in k}
 
-    def source_of(self, field: str | None) -> str | None:
+    def source_of(self, field: str | None, *, model: bool = False) -> str | None:
+        """The source that set ``field``; with ``model``, only model keys are searched (a model config's error
+        names HF keys, and ``dtype`` is both an HF key and the engine's precision mode)."""
         if field is None:
             return None
         base = field.split("[")[0]
-        if base in self.values:
+        if base in self.values and not model:
             return self.values[base][1]
         for key, (_, source) in self.model.items():
             if base in (key, f"text_config.{key}") or base.endswith("." + key):
@@ -339,8 +341,10 @@ class _Settings:
         return None
 
 
-def _with_source(exc: ConfigValueError | ConfigTypeError, settings: _Settings) -> Exception:
-    source = settings.source_of(exc.field)
+def _with_source(
+    exc: ConfigValueError | ConfigTypeError, settings: _Settings, *, model: bool = False
+) -> Exception:
+    source = settings.source_of(exc.field, model=model)
     if source is None or source in str(exc):
         return exc
     return type(exc)(f"{exc} [set by {source}]", field=exc.field)
@@ -456,6 +460,9 @@ def load_config_with_sources(
 
     try:
         model_cfg = None if hf is None else ModelConfig.from_hf(hf, source=" + ".join(sources) or None)
+    except (ConfigValueError, ConfigTypeError) as exc:
+        raise _with_source(exc, settings, model=True) from None
+    try:
         sections_built = {name: cls(**settings.section_kwargs(name)) for name, cls in SECTIONS.items()}
         root = settings.root_kwargs()
         if model_path is not None:

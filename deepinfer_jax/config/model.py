@@ -232,6 +232,13 @@ class ModelConfig(Checked):
     MODEL_TYPE: ClassVar[str] = ""
     ARCHITECTURE: ClassVar[str] = ""
 
+    @property
+    def checkpoint_dtype_key(self) -> str:
+        """The ``config.json`` key :attr:`checkpoint_dtype` came from: ``dtype`` (newer exports) or
+        ``torch_dtype``."""
+        hf = self.hf or {}
+        return "dtype" if hf.get("dtype") is not None or "torch_dtype" not in hf else "torch_dtype"
+
     hf: Mapping[str, Any] = field(repr=False)
     source: str | None = field(default=None, compare=False, repr=False)
     architectures: tuple[str, ...] = ()
@@ -368,9 +375,11 @@ class ModelConfig(Checked):
             "float32",
             "float16",
         ):
+            key = self.checkpoint_dtype_key
             raise ConfigValueError(
-                f"dtype = {self.checkpoint_dtype!r}: must be one of 'bfloat16', 'float32', 'float16'",
-                field="dtype",
+                f"{key} = {self.checkpoint_dtype!r} (config.json's dtype of the checkpoint's unquantised tensors, "
+                "not the engine's dtype setting): must be one of 'bfloat16', 'float32', 'float16'",
+                field=key,
             )
         for name in ("bos_token_id", "pad_token_id"):
             check_range(name, getattr(self, name), ge=0, lt=self.vocab_size)

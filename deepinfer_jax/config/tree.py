@@ -415,7 +415,9 @@ class EngineConfig(Checked):
         tokenizer: tokenizer path or name; ``None`` = ``model_path``.
         revision, tokenizer_revision: hub revisions when ``model_path`` / ``tokenizer`` name a hub repository.
         dtype: ``"float32"`` = parity mode (float32 arithmetic, weight-only dequantisation, unquantised caches);
-            ``"bfloat16"`` = production mode (the rounding points and FP8/FP4 GEMMs of the model spec).
+            ``"bfloat16"`` = production mode (the rounding points and FP8/FP4 GEMMs of the model spec);
+            ``"auto"`` = the checkpoint's ``torch_dtype`` (``float32`` gives parity mode, anything else and no
+            declared dtype give production mode), as vLLM's ``dtype="auto"``.
         kv_cache_dtype: ``"auto"`` (follow ``dtype``) or one of :data:`KV_CACHE_DTYPES`.
         seed: device RNG seed (token sampling is keyed by each request's own seed, not by this).
         max_model_len: maximum prompt + output length of a request.
@@ -441,7 +443,7 @@ class EngineConfig(Checked):
     tokenizer: str | None = None
     revision: str | None = None
     tokenizer_revision: str | None = None
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    dtype: Literal["auto", "float32", "bfloat16"] = "bfloat16"
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "quantized"] = "auto"
     seed: int = 0
     max_model_len: int = 4096

@@ -194,9 +194,11 @@ class DeepseekV41Config(DeepseekV4BaseConfig):
                 field="architectures",
             )
         if self.checkpoint_dtype != "bfloat16":
+            key = self.checkpoint_dtype_key
             raise ConfigValueError(
-                f"dtype = {self.checkpoint_dtype!r}: a V4.1 checkpoint's unquantised tensors are 'bfloat16'",
-                field="dtype",
+                f"{key} = {self.checkpoint_dtype!r} (config.json's dtype of the checkpoint's unquantised tensors, "
+                "not the engine's dtype setting): a V4.1 checkpoint's unquantised tensors are 'bfloat16'",
+                field=key,
             )
         if self.quantization is None:
             raise ConfigValueError(

@@ -187,10 +187,38 @@ def parse_chat_output(encoded: EncodedChat, completion: CompletionOutput) -> Cha
         )
     parser = encoded.output_parser()
     parser.push(completion.token_ids)
+    ids = {
+        "prompt_token_ids": tuple(encoded.token_ids),
+        "token_ids": tuple(completion.token_ids),
+        "logprobs": completion.logprobs,
+    }
     if reason == "error":
         logging.warning("chat: a request failed after %d tokens: %s", parser.num_tokens, completion.error)
-        return dataclasses.replace(parser.finish("stop"), finish_reason="error")
-    return parser.finish(reason)
+        return dataclasses.replace(parser.finish("stop"), finish_reason="error", **ids)
+    return dataclasses.replace(parser.finish(reason), **ids)
+
+
+def _generation_prompt(encoder: ChatEncoder, thinking: bool) -> tuple[int, ...]:
+    """The ids the template appends to open the assistant's reply: ``<｜Assistant｜>`` and the thinking marker."""
+    markers = encoder.marker_ids
+    return (markers["<｜Assistant｜>"], markers["<think>" if thinking else "</think>"])
+
+
+def conversation_options(
+    conversation: Messages, add_generation_prompt: bool, continue_final_message: bool, where: str
+) -> Messages:
+    """``conversation`` as the template should see it under vLLM's ``add_generation_prompt`` /
+    ``continue_final_message`` (the last assistant message becomes a ``prefix`` to continue)."""
+    if not continue_final_message:
+        return conversation
+    last = conversation[-1] if conversation else None
+    if not isinstance(last, Mapping) or last.get("role") != "assistant":
+        role = last.get("role") if isinstance(last, Mapping) else None
+        raise ValueError(
+            f"chat: {where}continue_final_message=True needs the last message to be an assistant message to "
+            f"continue; it is role {role!r}"
+        )
+    return [*conversation[:-1], {**last, "prefix": True}]
 
 
 def chat(
@@ -202,11 +230,25 @@ def chat(
     reasoning_effort: str | None = None,
     use_tqdm: bool = True,
     chat_version: ChatVersion | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> list[ChatOutput]:
     """Run one conversation or a batch of them; returns one :class:`ChatOutput` per conversation, in order.
 
-    ``tools``, ``thinking`` and ``reasoning_effort`` apply to every conversation. See :meth:`LLM.chat`.
+    ``tools``, ``thinking``, ``reasoning_effort``, ``add_generation_prompt`` and ``continue_final_message``
+    apply to every conversation. See :meth:`LLM.chat`.
     """
+    for name, value in (
+        ("add_generation_prompt", add_generation_prompt),
+        ("continue_final_message", continue_final_message),
+    ):
+        if not isinstance(value, bool):
+            raise TypeError(f"chat: {name} must be a bool, got {type(value).__name__} ({value!r})")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError(
+            "chat: continue_final_message=True continues the last assistant message, so it cannot be combined "
+            "with add_generation_prompt=True (a new assistant turn); set add_generation_prompt=False"
+        )
     conversations = split_conversations(messages)
     model_config = llm.model.config
     version = chat_version_for(model_config.family, chat_version)
@@ -220,11 +262,20 @@ def chat(
     )
     encoded: list[EncodedChat] = []
     for index, conversation in enumerate(conversations):
+        where = "" if len(conversations) == 1 else f"conversation {index}: "
+        conversation = conversation_options(
+            conversation, add_generation_prompt, continue_final_message, where
+        )
         try:
-            encoded.append(encoder.encode_chat(conversation, tools, thinking, reasoning_effort))
+            e = encoder.encode_chat(conversation, tools, thinking, reasoning_effort)
         except (TypeError, ValueError) as exc:
-            where = "" if len(conversations) == 1 else f"conversation {index}: "
             raise type(exc)(f"chat: {where}{exc}") from exc
+        if not add_generation_prompt and not continue_final_message:
+            # The template always opens the reply; without a generation prompt the model writes that itself.
+            opening = _generation_prompt(encoder, e.thinking)
+            if e.token_ids[-len(opening) :] == opening:
+                e = dataclasses.replace(e, token_ids=e.token_ids[: -len(opening)])
+        encoded.append(e)
     outputs = llm.generate(
         prompt_token_ids=[list(e.token_ids) for e in encoded], sampling_params=params, use_tqdm=use_tqdm
     )

@@ -229,6 +229,23 @@ def host_device() -> jax.Device | None:
         return None
 
 
+def _auto_dtype(config: Any, sources: Mapping[str, str]) -> str:
+    """``dtype="auto"``: the checkpoint's declared ``torch_dtype`` decides the precision mode (as in vLLM).
+
+    ``float32`` checkpoints run in parity mode; ``bfloat16`` / ``float16`` checkpoints and checkpoints that declare
+    no dtype (built-in random models included) run in production mode (bfloat16: the engine has no float16 mode).
+    """
+    declared = getattr(config.model, "checkpoint_dtype", None) if config.model is not None else None
+    dtype = "float32" if declared == "float32" else "bfloat16"
+    logging.info(
+        "dtype='auto' (from %s): %s, since the checkpoint declares %s",
+        sources.get("dtype", "LLM argument dtype"),
+        dtype,
+        f"torch_dtype {declared!r}" if declared else "no torch_dtype",
+    )
+    return dtype
+
+
 def _load_for(model_dir: Path, dtype: str, mesh: Mesh, config: Any) -> Model:
     """The model's parameters, read where the engine lays them out from.
 
@@ -373,8 +390,13 @@ class LLM:
             else:
                 args[name] = LLM_DEFAULTS[name]
         dtype, kv_cache_dtype, max_model_len = args["dtype"], args["kv_cache_dtype"], args["max_model_len"]
+        if dtype == "auto":
+            dtype = args["dtype"] = _auto_dtype(config, sources)
         if dtype not in DTYPES:
-            raise ValueError(f"dtype: {dtype!r} is not a precision mode; expected one of {DTYPES}")
+            where = sources.get("dtype", "LLM argument dtype" if "dtype" in given else "the default")
+            raise ValueError(
+                f"dtype: {dtype!r} (from {where}) is not a precision mode; expected 'auto' or one of {DTYPES}"
+            )
         max_num_seqs = _check_int("max_num_seqs", args["max_num_seqs"], 1)
         max_num_batched_tokens = _check_int("max_num_batched_tokens", args["max_num_batched_tokens"], 1)
         seed = _check_int("seed", args["seed"], 0)
@@ -811,6 +833,8 @@ class LLM:
         use_tqdm: bool = True,
         *,
         chat_version: _chat.ChatVersion | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[ChatOutput]:
         """Answer one conversation (a list of OpenAI-style message dicts) or a list of conversations.
 
@@ -818,7 +842,11 @@ class LLM:
         apart, tool calls, finish reason and usage, parsed from the generated token ids. ``sampling_params`` is
         one for all or a list with one per conversation; ``tools``, ``thinking`` and ``reasoning_effort`` apply
         to all. ``chat_version`` picks the template (``None``: ``"v41"`` for DeepSeek-V4.1, else ``"v4"``).
-        Bad input raises before anything runs. See :mod:`deepinfer_jax.engine.chat`.
+        As in vLLM, ``add_generation_prompt=False`` ends the prompt after the last message (no
+        ``<｜Assistant｜>`` opening), and ``continue_final_message=True`` (with ``add_generation_prompt=False``)
+        continues the last message, which must be the assistant's. Each output also carries the prompt ids, the
+        generated ids and, when ``logprobs`` was asked for, their logprobs. Bad input raises before anything
+        runs. See :mod:`deepinfer_jax.engine.chat`.
         """
         return _chat.chat(
             self,
@@ -829,6 +857,8 @@ class LLM:
             reasoning_effort=reasoning_effort,
             use_tqdm=use_tqdm,
             chat_version=chat_version,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )
 
     def __repr__(self) -> str:

@@ -619,7 +619,7 @@ class CompletionOutput:
     """One generated sequence of a request.
 
     Attributes:
-        index: the sequence's index within its request (always 0: one sequence per request).
+        index: the sample's index within its request (0 … n - 1; 0 when n = 1).
         text: detokenized output, stop string and stopping special token excluded (``""`` without a tokenizer).
         token_ids: every generated id, the one that triggered a stop included.
         cumulative_logprob: sum of the chosen tokens' logprobs when ``logprobs`` was requested, else ``None``.

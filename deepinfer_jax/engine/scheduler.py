@@ -204,8 +204,18 @@ class Request:
         if self.is_group:
             samples = self.children or []
             completions = [c.completion(copy) for c in samples]
+            # Samples not forked yet (a group that ended before its fork: an error or an abort) end with it.
+            ended = self.status is RequestStatus.FINISHED
             completions += [
-                CompletionOutput(index=i, text="", token_ids=[], cumulative_logprob=None, logprobs=None)
+                CompletionOutput(
+                    index=i,
+                    text="",
+                    token_ids=[],
+                    cumulative_logprob=None,
+                    logprobs=None,
+                    finish_reason=self.finish_reason if ended else None,
+                    error=self.error if ended else None,
+                )
                 for i in range(len(samples), self.params.n)
             ]
             metrics = dataclasses.replace(self.metrics)
@@ -454,27 +464,33 @@ class DeviceScheduler:
         # The longest context ever cached: the last token sampled never enters the cache.
         most_blocks = blocks_for_tokens(req.max_total_len - 1, self.block_size)
         limit = min(self.blocks.capacity, self.max_blocks_per_seq)
-        if req.is_group:
-            # The shared prefix and a private copy of its last partial block for every other sample.
-            prefix = blocks_for_tokens(req.prompt_len - 1, self.block_size)
-            partial = (req.prompt_len - 1) % self.block_size != 0
-            most_blocks = max(most_blocks, prefix + (params.n - 1 if partial else 0))
+        error = None
+        if most_blocks > limit:
+            error = (
+                f"request {request_id!r} can never fit the cache: up to {req.max_total_len - 1} cached tokens "
+                f"need {most_blocks} blocks of {self.block_size} tokens, but the cache holds "
+                f"{self.blocks.capacity} blocks and a block table {self.max_blocks_per_seq}"
+            )
+        elif req.is_group:
             if params.n > min(self.max_num_seqs, self.slots.capacity):
                 raise ValueError(
                     f"sampling_params.n = {params.n} exceeds the {min(self.max_num_seqs, self.slots.capacity)} "
                     "sequences one device runs at once (the n samples of a prompt run together)"
                 )
-        if most_blocks > limit:
+            # Admission holds the shared prefix and a private copy of its last partial block for every other
+            # sample (each sample's own table stays within the per-sequence limit checked above).
+            prefix = blocks_for_tokens(req.prompt_len - 1, self.block_size)
+            partial = (req.prompt_len - 1) % self.block_size != 0
+            group_blocks = prefix + (params.n - 1 if partial else 0)
+            if group_blocks > self.blocks.capacity:
+                error = (
+                    f"request {request_id!r} can never fit the cache: its n = {params.n} samples start with "
+                    f"{group_blocks} blocks of {self.block_size} tokens (the shared prompt and a copy of its last "
+                    f"partial block per extra sample), but the cache holds {self.blocks.capacity} blocks"
+                )
+        if error is not None:
             self._requests[request_id] = req
-            self._finish(
-                req,
-                "error",
-                error=(
-                    f"request {request_id!r} can never fit the cache: up to {req.max_total_len - 1} cached tokens "
-                    f"need {most_blocks} blocks of {self.block_size} tokens, but the cache holds "
-                    f"{self.blocks.capacity} blocks and a block table {self.max_blocks_per_seq}"
-                ),
-            )
+            self._finish(req, "error", error=error)
             self._ready.append(req.to_output(final=True))
             return
         self._requests[request_id] = req

@@ -221,9 +221,9 @@ class SamplingTensors(NamedTuple):
                     row_mask.update(eos)
             if outs[j] < getattr(p, "first_n_token_no_eos", 0):
                 row_mask.update(eos)
-            masks.append(sorted(row_mask))
             if extra_masked_ids is not None and extra_masked_ids[j]:
                 row_mask.update(_id_list(f"{field}.bad_words", extra_masked_ids[j], vocab))
+            masks.append(sorted(row_mask))
             bias = getattr(p, "logit_bias", None)
             if bias:
                 ids = _id_list(f"{field}.logit_bias", [t for t, _ in bias], vocab)

@@ -128,7 +128,9 @@ class ChatOutput:
     ``reasoning_content`` is None when thinking mode was off. ``finish_reason`` is the protocol's reason
     (``"stop"``, ``"length"``, ``"tool_calls"``, ``"content_filter"``). ``usage`` holds ``prompt_tokens``,
     ``completion_tokens`` (every generated id, markers and EOS included) and ``reasoning_tokens`` (the ids before
-    the ``</think>`` id, in thinking mode).
+    the ``</think>`` id, in thinking mode). ``LLM.chat`` also fills ``prompt_token_ids`` (the encoded
+    conversation), ``token_ids`` (every generated id) and ``logprobs`` (the completion's, when
+    ``SamplingParams.logprobs`` asked for them; else ``None``).
     """
 
     reasoning_content: str | None
@@ -136,6 +138,9 @@ class ChatOutput:
     tool_calls: tuple[ToolCall, ...]
     finish_reason: str | None
     usage: Mapping[str, int]
+    prompt_token_ids: tuple[int, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    logprobs: Any = None
 
 
 class ChatOutputParser:

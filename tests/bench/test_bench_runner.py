@@ -60,11 +60,16 @@ def test_table_and_plots(report, tmp_path):
         "output tokens/s",
         "TTFT ms",
         "TPOT ms",
-        "KV bytes/token",
+        "KV cache, this run",
         "compilations",
         "ratio engine/baseline",
     ):
         assert needle in table
+    # The two cache sizes are labelled apart: this run's unquantised float32 cache and the production format
+    # with what its records hold (tiny-v3: bf16 latent records of 96 values).
+    assert "B per cached token in the paged cache (float32 values, unquantised)" in table
+    assert "KV cache, production" in table and "not this run's storage" in table
+    assert "latent 192 B: 96 bf16 values, unquantised" in table
     paths = write_plots([plot_point(report, "a"), plot_point(report, "b")], tmp_path / "plots")
     assert [p.name for p in paths] == list(PLOT_FILES)
     for p in paths:

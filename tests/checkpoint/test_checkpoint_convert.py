@@ -127,6 +127,7 @@ def test_refuses_a_non_empty_destination_unless_overwrite(sharded_src, tmp_path,
     rc, _, err = run_cli(capsys, "--src", sharded_src, "--dst", dst, "--to", "hf")
     assert rc == 1
     assert f"destination {dst} exists and is not empty" in err
+    assert "pass --overwrite to replace it" in err  # the flag's spelling, not the library argument's
     assert (dst / "keep.txt").exists()
     rc, _, err = run_cli(capsys, "--src", sharded_src, "--dst", dst, "--to", "hf", "--overwrite")
     assert rc == 0, err
@@ -135,6 +136,18 @@ def test_refuses_a_non_empty_destination_unless_overwrite(sharded_src, tmp_path,
     empty = tmp_path / "empty"
     empty.mkdir()
     assert run_cli(capsys, "--src", sharded_src, "--dst", empty, "--to", "orbax")[0] == 0
+
+
+def test_src_takes_a_built_in_model_name(tmp_path, capsys):
+    """--src tiny-v3 converts the built-in model's materialized HF folder."""
+    from deepinfer_jax.models import builtin
+
+    rc, out, err = run_cli(capsys, "--src", "tiny-v3", "--dst", tmp_path / "orbax", "--to", "orbax")
+    assert rc == 0, err
+    assert "converted" in out and "from tiny-v3" in out
+    assert_same_tensors(builtin.materialize("tiny-v3"), tmp_path / "orbax")
+    rc, _, err = run_cli(capsys, "--src", "tiny-v9", "--dst", tmp_path / "x", "--to", "orbax")
+    assert rc == 1 and "tiny-v9" in err
 
 
 def test_flag_errors(sharded_src, tmp_path, capsys):

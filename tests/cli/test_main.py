@@ -86,6 +86,12 @@ def test_info_tiny_v41(capsys):
     # head_dim 128 / index_head_dim 128 in the tiny config: MXFP8 window = 128 + 4 scale bytes, FP4 compressed =
     # 64 code bytes + 8 E4M3 scales, MXFP4 indexer = 64 + 4.
     assert report["record_bytes_per_token"] == {"window": 132, "compressed": 72, "indexer": 68}
+    # Labelled: these are the production formats, scales included, not this machine's float32 cache.
+    assert (
+        report["record_formats"]["window"]
+        == "132 B: 128 B of FP8 E4M3 codes + 4 B of UE8M0 scales (one per 32)"
+    )
+    assert "production cache formats" in report["cache_sizes"]
     assert report["engine"]["model"]["num_hidden_layers"] == 7
     # 7 window records (132 B) + compressed records of the KV sources 1 (ratio 2), 3 and 5 (ratio 1):
     # 72/2 + 72 + 72, + indexer records of the same layers: 68/2 + 68 + 68; the 2 draft layers add a window each.

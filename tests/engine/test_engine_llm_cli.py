@@ -41,7 +41,7 @@ def test_generate_cli_prints_completions_and_summary(capsys):
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "random weights" in out
-    assert "KV cache plan" in out
+    assert "KV cache plan" not in out  # printed with --verbose only
     assert out.count("output (") == 2 and "prompt: 'hello'" in out
     summary = out.strip().splitlines()[-1]
     assert "2 requests" in summary and "8 generated tokens" in summary and "tokens/s" in summary
@@ -70,6 +70,35 @@ def test_generate_cli_token_ids_and_errors(capsys):
     assert rc == 2 and "--prompt" in capsys.readouterr().err
     rc = cli.main(["deepinfer-jax", "generate", "--model=no-such-model", "--prompt=x"])
     assert rc == 2 and "no-such-model" in capsys.readouterr().err
+
+
+def test_generate_cli_sampling_flags_reach_the_engine(capsys):
+    """--n, --seed, --logprobs, --stop_token_ids and --verbose: the samples and logprobs LLM.generate gives for
+    the SamplingParams those flags describe, and the cache plan printed."""
+    from deepinfer_jax.engine.llm import LLM
+    from deepinfer_jax.engine.params import SamplingParams
+
+    flags = ["--n=2", "--seed=3", "--logprobs=1", "--max_tokens=3", "--ignore_eos", "--stop_token_ids=[7]"]
+    head = ["deepinfer-jax", "generate", "--model=tiny-v3", "--prompt_ids=5,6,7", "--noprogress", "--verbose"]
+    rc = cli.main([*head, *flags, *ENGINE])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "KV cache plan" in out
+    llm = LLM(
+        "tiny-v3",
+        dtype="float32",
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        kv_cache_memory=24 * 4 * 16 * 96 * 4 + 17 * 4 * 513,
+        **{"cache.block_size": 16},
+    )
+    params = SamplingParams(n=2, seed=3, logprobs=1, max_tokens=3, ignore_eos=True, stop_token_ids=[7])
+    (want,) = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params, use_tqdm=False)
+    assert len(want.outputs) == 2
+    for c in want.outputs:
+        assert f"[0.{c.index}] output ({c.finish_reason}): {c.text!r} ids={list(c.token_ids)}" in out
+        shown = " ".join(f"{t}:{e[t].logprob:.4f}" for t, e in zip(c.token_ids, c.logprobs, strict=True))
+        assert f"[0.{c.index}] logprobs: {shown}" in out
 
 
 def _generate_ids(capsys, *extra: str) -> tuple[list[str], str]:
@@ -110,6 +139,7 @@ def test_generate_cli_on_a_mesh_with_eplb(capsys):
         "--kv_cache_memory=8MiB",
         "--set=parallel.eplb_interval_steps=2",
         "--set=parallel.eplb_window_steps=2",
+        "--verbose",
     )
     assert got == want and len(got) == 3
     assert "mesh: dp=2 x ep=4 = 8 devices" in out

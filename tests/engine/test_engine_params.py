@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -133,7 +134,8 @@ def test_replace_revalidates_and_accepts_the_seed_alias() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    temperature=st.floats(0, 100),
+    # 0 (greedy) or float32's normal range: smaller positive temperatures are refused (tested below).
+    temperature=st.just(0.0) | st.floats(1.2e-38, 100),
     top_p=st.floats(0, 1, exclude_min=True),
     top_k=st.integers(-1, 1000),
     max_tokens=st.integers(1, 10_000),
@@ -218,3 +220,18 @@ def test_params_survive_copy_and_pickle_and_are_hashable() -> None:
     assert copy.deepcopy(p) == p and pickle.loads(pickle.dumps(p)) == p
     assert hash(p) == hash(p.replace()) and p != p.replace(seed=1)
     assert "temperature=0.3" in repr(p)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", 1e-40),
+        ("temperature", 1e39),
+        ("repetition_penalty", 1e-40),
+        ("repetition_penalty", 1e39),
+    ],
+)
+def test_values_outside_float32_are_refused_when_built(field: str, value: float) -> None:
+    # The step computes in float32: a value that would turn into 0 or inf there is refused up front (tier 1).
+    with pytest.raises(ValueError, match=re.escape(f"{field} = {value!r}")):
+        SamplingParams(**{field: value})

@@ -217,6 +217,10 @@ def test_accelerator_default_uses_memory_utilization():
     assert got == (500 - 100) * 2
     cpu = default_cache_memory(Layout, num_devices=1, memory_utilization=0.5, memory_stats=None, **common)
     assert cpu == (4 * 4 + 1) * 100 + 5 * 10
+    # On the CPU the need is capped at 2 GiB per device, however long the sequences.
+    long = {**common, "tokens_per_seq": 1 << 40}
+    got = default_cache_memory(Layout, num_devices=2, memory_utilization=0.5, memory_stats=None, **long)
+    assert got == 2 * (2 << 30)
 
 
 def test_settings_without_warnings_by_default():

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from deepinfer_jax.cache import kv_bytes_per_block, kv_bytes_per_token, record_bytes
+from deepinfer_jax.cache import describe_record_formats, kv_bytes_per_block, kv_bytes_per_token, record_bytes
 
 
 def _v41(**overrides) -> SimpleNamespace:
@@ -122,3 +122,13 @@ def test_config_errors_name_the_field():
         kv_bytes_per_token(_v41(index_head_dim=None))
     with pytest.raises(ValueError, match="num_draft_layers must be an int >= 0, got -1"):
         kv_bytes_per_token(_v41(), num_draft_layers=-1)
+
+
+def test_describe_record_formats_says_what_the_bytes_are():
+    """Each production record's size, split into codes and scales, so a quantised record that is larger than an
+    unquantised one at small head dims (scales included) is not read as a smaller format."""
+    got = describe_record_formats(_v41())
+    assert got["window"] == "528 B: 512 B of FP8 E4M3 codes + 16 B of UE8M0 scales (one per 32)"
+    assert got["compressed"] == "288 B: 256 B of FP4 E2M1 codes + 32 B of E4M3 scales (one per 16)"
+    assert got["indexer"] == "68 B: 64 B of FP4 E2M1 codes + 4 B of UE8M0 scales (one per 32)"
+    assert describe_record_formats(_v3()) == {"latent": "1152 B: 576 bf16 values, unquantised"}

@@ -53,7 +53,12 @@ def test_values_padding_and_normalisation():
         "position": np.int32,
         "masked_ids": np.int32,
         "golden": np.int32,
+        "bias_ids": np.int32,
+        "bias_values": np.float32,
+        "allowed_ids": np.int32,
     }
+    # No row sets logit_bias / allowed_token_ids: both tables have width 0 (the step's variant has no extra work).
+    assert st.bias_ids.shape == st.bias_values.shape == st.allowed_ids.shape == (6, 0)
 
 
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
@@ -88,7 +93,7 @@ def test_the_engines_sampling_params_are_accepted():
 def test_is_a_pytree_that_moves_to_the_device():
     st = SamplingTensors.build([Row()], [3], [4], V, num_rows=2)
     leaves = jax.tree.leaves(st)
-    assert len(leaves) == len(st._fields) == 11
+    assert len(leaves) == len(st._fields) == 14
     on_device = jax.device_put(st)
     assert isinstance(on_device, SamplingTensors) and isinstance(on_device.seed, jax.Array)
     assert on_device.num_rows == 2
