@@ -66,25 +66,34 @@ def format_report(report: dict[str, Any]) -> str:
         )
     )
     kv = report["kv_bytes_per_token"]
-    state = kv.get("engine_state_bytes_per_seq") or 0
-    rows.append(
-        (
-            "KV cache, this run",
-            f"{kv['engine_cache']:.0f} B per cached token in the paged cache ({kv['engine_cache_dtype']} "
-            "values, unquantised)"
-            + (f" + {state:.0f} B of state per sequence (sliding window, compressor state)" if state else ""),
+    if "server" in report:
+        rows.insert(0, ("server", f"{report['server']['url']} serving {report['server']['model']!r}"))
+    if kv is None:
+        rows.append(("KV cache", "- (a server run: not visible to the client)"))
+    else:
+        state = kv.get("engine_state_bytes_per_seq") or 0
+        rows.append(
+            (
+                "KV cache, this run",
+                f"{kv['engine_cache']:.0f} B per cached token in the paged cache ({kv['engine_cache_dtype']} "
+                "values, unquantised)"
+                + (
+                    f" + {state:.0f} B of state per sequence (sliding window, compressor state)"
+                    if state
+                    else ""
+                ),
+            )
         )
-    )
-    formats = kv.get("production_record_formats") or {}
-    rows.append(
-        (
-            "KV cache, production",
-            f"{kv['production_format']:g} B per token over all layers, every record counted per token "
-            "(not this run's storage"
-            + ("; records: " + "; ".join(f"{k} {v}" for k, v in formats.items()) if formats else "")
-            + ")",
+        formats = kv.get("production_record_formats") or {}
+        rows.append(
+            (
+                "KV cache, production",
+                f"{kv['production_format']:g} B per token over all layers, every record counted per token "
+                "(not this run's storage"
+                + ("; records: " + "; ".join(f"{k} {v}" for k, v in formats.items()) if formats else "")
+                + ")",
+            )
         )
-    )
     wu = report["warmup"]
     rows.append(
         (
@@ -92,7 +101,12 @@ def format_report(report: dict[str, Any]) -> str:
             f"{wu['compile_count']} in warm-up ({wu['compile_seconds']:.2f} s), {e['compile_count']} while measured",
         )
     )
-    if "host_ms_per_step" in e:
+    if "server" in report:
+        steps = e.get("steps")
+        rows.append(
+            ("per step", f"{'-' if steps is None else f'{steps:.0f}'} steps (from the server's /metrics)")
+        )
+    elif "host_ms_per_step" in e:
         rows.append(
             (
                 "per step",

@@ -13,6 +13,11 @@ says ``"available": false``.
 **Online workloads.** A workload with a ``request_rate`` is not run through ``generate``: its requests enter
 the running engine at their arrival times (:mod:`deepinfer_jax.bench.online`), and each run also reports the
 drawn and achieved request rates and how long arrivals waited for the host loop.
+
+**A server** (``url``): :class:`HTTPBench` sends the same requests, with the same seeds and arrival times, to a
+running server's ``/v1/completions`` as streaming requests (:mod:`deepinfer_jax.bench.http`) and measures them on
+the client; the report has the same metrics (steps come from the server's ``/metrics`` when it has them; host and
+device times and compile counts are not visible from outside).
 """
 
 from __future__ import annotations
@@ -29,14 +34,15 @@ import jax
 
 from deepinfer_jax import cache as cache_lib
 from deepinfer_jax.bench.baseline import DEFAULT_SCRIPT, BaselineProcess, baseline_setup
+from deepinfer_jax.bench.http import HTTPRequest, online_summary, run_requests, server_info
 from deepinfer_jax.bench.metrics import RequestTiming, distribution, run_metrics
 from deepinfer_jax.bench.online import run_online
 from deepinfer_jax.bench.workload import Request, Workload
-from deepinfer_jax.engine.llm import LLM
+from deepinfer_jax.engine.llm import LLM, derive_seed
 from deepinfer_jax.engine.params import RequestOutput, SamplingParams
 from deepinfer_jax.models import builtin
 
-__all__ = ["EngineBench", "ModelNotSupportedError", "StepTimer", "machine_info", "run_benchmark"]
+__all__ = ["EngineBench", "HTTPBench", "ModelNotSupportedError", "StepTimer", "machine_info", "run_benchmark"]
 
 
 class ModelNotSupportedError(RuntimeError):
@@ -266,6 +272,96 @@ class EngineBench:
         return run
 
 
+def _server_steps(url: str, api_key: str | None) -> float | None:
+    """The server's ``deepinfer_engine_steps_total`` (``None`` when it does not report it)."""
+    import httpx2
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        text = httpx2.get(f"{url}/metrics", headers=headers, timeout=10.0).text
+    except httpx2.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("deepinfer_engine_steps_total "):
+            return float(line.split()[1])
+    return None
+
+
+class HTTPBench:
+    """A workload sent to a running server (``bench --url``); :meth:`run` times one pass, like
+    :meth:`EngineBench.run`.
+
+    Request ``i`` carries the seed an in-process run gives it (``derive_seed(workload.seed, i)``), so a server
+    running the same model samples the same tokens.
+    """
+
+    def __init__(self, workload: Workload, url: str, api_key: str | None = None) -> None:
+        self.workload = workload
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        info = server_info(self.url, api_key)
+        self.served_model = str(info["id"])
+        vocab = info.get("vocab_size")
+        if not isinstance(vocab, int):
+            raise ValueError(
+                f"{url}: the server does not report its vocab_size in /v1/models, which the workload's random "
+                "prompts need (a deepinfer-jax server does)"
+            )
+        self.vocab_size = vocab
+        self.requests: list[Request] = workload.requests(vocab)
+        self.compile_count = 0
+        self.compile_seconds = 0.0
+
+    def run(self, *, measure_steps: bool = True) -> dict[str, Any]:
+        w = self.workload
+        requests = [
+            HTTPRequest(
+                r.prompt_token_ids,
+                r.max_tokens,
+                seed=derive_seed(w.seed, i),
+                temperature=w.temperature,
+                top_p=w.top_p,
+                top_k=w.top_k,
+                ignore_eos=w.ignore_eos,
+            )
+            for i, r in enumerate(self.requests)
+        ]
+        steps_before = _server_steps(self.url, self.api_key)
+        results, start, end = run_requests(
+            self.url, self.served_model, requests, arrivals=w.arrival_times(), api_key=self.api_key
+        )
+        steps_after = _server_steps(self.url, self.api_key)
+        for r in results:
+            if not r.complete or r.first_token is None or r.finished is None:
+                raise RuntimeError(f"request {r.index} failed: {r.error or r.finish_reason or 'no finish'}")
+        timings = [
+            RequestTiming(
+                r.due,
+                r.first_token,
+                r.finished,
+                len(self.requests[r.index].prompt_token_ids),
+                len(r.token_ids),
+            )
+            for r in results
+        ]
+        metrics = run_metrics(timings, end - start)
+        steps = None if steps_before is None or steps_after is None else steps_after - steps_before
+        run: dict[str, Any] = {
+            "metrics": metrics.to_dict(),
+            "steps": steps,
+            "compile_count": 0,
+            "compile_seconds": 0.0,
+            "step_timing": {
+                "available": False,
+                "reason": "a server run: its steps are not visible to the client",
+            },
+            "token_ids": [r.token_ids for r in results],
+        }
+        if w.online:
+            run["online"] = online_summary(results, start, end, w.request_rate, w.burstiness)
+        return run
+
+
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -277,6 +373,8 @@ def run_benchmark(
     baseline_script: str | os.PathLike[str] | None = None,
     baseline_threads: int = 2,
     log: Callable[[str], None] | None = None,
+    url: str | None = None,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     """Warm up, then ``workload.repeats`` measured engine runs, each followed by a baseline run when
     ``baseline_python`` is given; returns the JSON-able report.
@@ -289,13 +387,27 @@ def run_benchmark(
             f"baseline_python: the baseline runs offline batches and cannot be paced; it cannot be compared with "
             f"an online workload (request_rate = {workload.request_rate} requests/s); drop one of them"
         )
+    if baseline_python is not None and url is not None:
+        raise ValueError(
+            "baseline_python: a baseline runs beside the in-process engine, not beside a server (url)"
+        )
     say = log or (lambda _msg: None)
-    bench = EngineBench(workload)
-    report: dict[str, Any] = {
-        "workload": workload.to_dict(),
-        "machine": machine_info(),
-        "kv_bytes_per_token": bench.kv_bytes(),
-    }
+    bench: EngineBench | HTTPBench
+    if url is not None:
+        bench = HTTPBench(workload, url, api_key)
+        report: dict[str, Any] = {
+            "workload": workload.to_dict(),
+            "machine": machine_info(),
+            "server": {"url": bench.url, "model": bench.served_model},
+            "kv_bytes_per_token": None,
+        }
+    else:
+        bench = EngineBench(workload)
+        report = {
+            "workload": workload.to_dict(),
+            "machine": machine_info(),
+            "kv_bytes_per_token": bench.kv_bytes(),
+        }
     warm_start = time.perf_counter()
     for i in range(workload.warmup):
         bench.run(measure_steps=False)
@@ -308,6 +420,7 @@ def run_benchmark(
     }
     baseline = None
     if baseline_python is not None:
+        assert isinstance(bench, EngineBench)
         say(f"starting baseline {baseline_script or DEFAULT_SCRIPT} with {baseline_python}")
         setup = baseline_setup(
             bench.model_dir(),
@@ -399,7 +512,7 @@ def _engine_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "tpot_p50_s": med("tpot", "p50"),
         "tpot_p99_s": med("tpot", "p99"),
         "seq_tokens_per_s_p50": med("seq_tokens_per_s", "p50"),
-        "steps": _median([r["steps"] for r in runs]),
+        "steps": _median([r["steps"] for r in runs if r["steps"] is not None]),
         "compile_count": sum(r["compile_count"] for r in runs),
     }
     online = [r["online"] for r in runs if "online" in r]

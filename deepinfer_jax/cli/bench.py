@@ -14,6 +14,7 @@ mesh, that the engine does not serve yet is refused with exit status 2 and a mes
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -119,15 +120,32 @@ def define_flags(fv: flags.FlagValues) -> None:
     )
     flags.DEFINE_integer("baseline_threads", 2, "torch.set_num_threads of the baseline", flag_values=fv)
     flags.DEFINE_string("output", None, "write the JSON report to this file", flag_values=fv)
+    flags.DEFINE_string(
+        "url",
+        None,
+        "benchmark a running server (deepinfer-jax serve) at this base URL, e.g. http://127.0.0.1:8000, instead "
+        "of an in-process engine: the same requests, seeds and arrival times, measured on the client",
+        flag_values=fv,
+    )
+    flags.DEFINE_string(
+        "api_key", None, "the server's API key (default: the DEEPINFER_API_KEY variable)", flag_values=fv
+    )
 
 
 def main(argv: list[str], fv: flags.FlagValues) -> int:
     if len(argv) > 1:
         print(f"bench: unexpected arguments {argv[1:]}", file=sys.stderr)
         return 2
-    if fv.model is None:
+    if fv.model is None and fv.url is None:
         print(
-            "bench: --model is required (a built-in name such as tiny-v3, or a model folder)", file=sys.stderr
+            "bench: --model is required (a built-in name such as tiny-v3, or a model folder), or --url of a server",
+            file=sys.stderr,
+        )
+        return 2
+    if fv.url is not None and fv.baseline_python is not None:
+        print(
+            "bench: --baseline_python runs beside the in-process engine; it cannot be combined with --url",
+            file=sys.stderr,
         )
         return 2
     if fv.baseline_script is not None and fv.baseline_python is None:
@@ -136,19 +154,27 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
     from deepinfer_jax.bench import ModelNotSupportedError, run_benchmark
     from deepinfer_jax.bench.report import format_report, plot_point
 
+    api_key = fv.api_key if fv.api_key is not None else os.environ.get("DEEPINFER_API_KEY") or None
     try:
-        workload = workload_from_flags(fv)
+        changes = {}
+        if fv.url is not None and fv.model is None:
+            from deepinfer_jax.bench.http import server_info
+
+            changes["model"] = str(server_info(fv.url, api_key)["id"])
+        workload = workload_from_flags(fv, **changes)
         report = run_benchmark(
             workload,
             baseline_python=fv.baseline_python,
             baseline_script=fv.baseline_script,
             baseline_threads=fv.baseline_threads,
             log=lambda msg: print(f"bench: {msg}", file=sys.stderr),
+            url=fv.url,
+            api_key=api_key,
         )
     except ModelNotSupportedError as err:
         print(f"bench: {err}", file=sys.stderr)
         return 2
-    except (ValueError, TypeError, RuntimeError) as err:  # BaselineError is a RuntimeError
+    except (ValueError, TypeError, RuntimeError, OSError) as err:  # BaselineError is a RuntimeError
         print(f"bench: error: {err}", file=sys.stderr)
         return 2
     print(format_report(report))

@@ -118,6 +118,7 @@ _SAMPLING_HELP: dict[str, str] = {
 _SAMPLING_SKIPPED = {
     "seq_seed": "an alias of seed (--seed)",
     "so_args": "structured outputs are not built yet (SamplingParams refuses any value)",
+    "output_kind": "what AsyncLLM streams hold (deepinfer-jax serve chooses it per protocol); commands print final outputs",
 }
 
 
@@ -227,8 +228,12 @@ def sampling_params_from_flags(fv: flags.FlagValues) -> Any:
         raise
 
 
-def define_engine_flags(fv: flags.FlagValues, *, max_tokens: int) -> None:
-    """The engine and sampling flags shared by the subcommands that run `LLM` (`generate`, `chat`)."""
+def define_engine_flags(fv: flags.FlagValues, *, max_tokens: int | None, sampling: bool = True) -> None:
+    """The engine and sampling flags shared by the subcommands that run `LLM` (`generate`, `chat`, `serve`).
+
+    ``sampling=False`` leaves out the sampling flags (`serve`: each request brings its own) and the progress bar,
+    and adds `--batch_invariant`.
+    """
     flags.DEFINE_enum("dtype", DEFAULT_DTYPE, ["auto", "float32", "bfloat16"], DTYPE_HELP, flag_values=fv)
     flags.DEFINE_string(
         "kv_cache_dtype", "auto", "cache storage: auto, float32, bfloat16 or quantized", flag_values=fv
@@ -254,7 +259,16 @@ def define_engine_flags(fv: flags.FlagValues, *, max_tokens: int) -> None:
         "the engine's seed: each request's sampling seed when --seed is unset",
         flag_values=fv,
     )
-    define_sampling_flags(fv, max_tokens=max_tokens)
+    if sampling:
+        assert max_tokens is not None
+        define_sampling_flags(fv, max_tokens=max_tokens)
+    else:
+        flags.DEFINE_boolean(
+            "batch_invariant",
+            None,
+            "a request's tokens do not depend on the rest of its batch (default: the config's, else off)",
+            flag_values=fv,
+        )
     flags.DEFINE_integer(
         "data_parallel_size",
         1,
@@ -271,7 +285,8 @@ def define_engine_flags(fv: flags.FlagValues, *, max_tokens: int) -> None:
         "(repeatable)",
         flag_values=fv,
     )
-    flags.DEFINE_boolean("progress", True, "show a progress bar", flag_values=fv)
+    if sampling:
+        flags.DEFINE_boolean("progress", True, "show a progress bar", flag_values=fv)
     flags.DEFINE_boolean(
         "verbose", False, "print the KV cache plan (LLM also logs it at absl INFO)", flag_values=fv
     )
@@ -307,5 +322,6 @@ def llm_from_flags(fv: flags.FlagValues) -> Any:
         seed=fv.engine_seed,
         data_parallel_size=fv.data_parallel_size,
         expert_parallel_size=fv.expert_parallel_size,
+        batch_invariant=fv["batch_invariant"].value if "batch_invariant" in fv else None,
         **config_lib.parse_overrides(fv.set),
     )

@@ -2,7 +2,8 @@
 
 The tree (:class:`EngineConfig`) holds the parsed HF model config (:class:`ModelConfig`, one subclass per
 family) and one section per engine concern: :class:`CacheConfig`, :class:`ParallelConfig`,
-:class:`SchedulerConfig`, :class:`SpeculativeConfig`, :class:`SamplingConfig`, :class:`OpsConfig`. Every node is
+:class:`SchedulerConfig`, :class:`SpeculativeConfig`, :class:`SamplingConfig`, :class:`OpsConfig`,
+:class:`ServerConfig`. Every node is
 a frozen, hashable dataclass validated on construction (so ``dataclasses.replace`` re-validates).
 
 Sources, lowest to highest priority: defaults < HF ``config.json`` < yaml < gin < ``DEEPINFER_*`` environment
@@ -40,6 +41,7 @@ from deepinfer_jax.config.tree import (
     ParallelConfig,
     SamplingConfig,
     SchedulerConfig,
+    ServerConfig,
     SpeculativeConfig,
     config_to_dict,
 )
@@ -74,6 +76,7 @@ __all__ = [
     "RopeConfig",
     "SamplingConfig",
     "SchedulerConfig",
+    "ServerConfig",
     "SpeculativeConfig",
     "SweepPoint",
     "SweepSpec",

@@ -423,6 +423,7 @@ ENV_VARS: dict[str, EnvVar] = {
 
 PROJECT_ENV_VARS: dict[str, str] = {
     "DEEPINFER_JAX_CACHE": "cache directory of materialised built-in models (read by deepinfer_jax.models.builtin)",
+    "DEEPINFER_API_KEY": "the API key of deepinfer-jax serve when --api_key is not given (read by its command)",
 }
 """This project's own ``DEEPINFER_*`` variables: not engine settings, read by their owners, never warned about."""
 

@@ -92,7 +92,6 @@ _SPEC = "speculative decoding in the engine (DSpark / MTP drafts and their verif
 _PREFIX = "prefix caching with window-state snapshots"
 _REPLAY = "SWA bounded replay (YOCO prefill truncation)"
 _GRAMMAR = "structured outputs (grammar-constrained decoding)"
-_SERVER = "the HTTP server"
 _BUCKETS = "the step buckets are fixed: 16 / 64 / 256 / the budget tokens against 8 / 32 / 128 / the budget sequences"
 
 FIELDS: dict[str, Setting] = {
@@ -219,6 +218,17 @@ FIELDS: dict[str, Setting] = {
         "step's shape, not by a setting"
     ),
     "ops.kernel_cache_dir": _honoured("JAX's persistent compilation cache directory"),
+    # ------------------------------------------------------------------------------------------ server
+    "server.host": _honoured("the address deepinfer-jax serve binds"),
+    "server.port": _honoured("the port deepinfer-jax serve binds (0: any free port)"),
+    "server.max_queued_requests": _honoured(
+        "accepted requests not yet running beyond which the server answers 429 with Retry-After"
+    ),
+    "server.max_request_body_bytes": _honoured("larger request bodies get 413"),
+    "server.drain_timeout_s": _honoured(
+        "how long a shutdown waits for running requests before aborting them"
+    ),
+    "server.default_thinking": _honoured("the thinking mode of a request that does not choose one"),
     # ------------------------------------------------------------------------------------------ root
     "model_path": _honoured("the model folder (LLM's model argument)"),
     "tokenizer": _honoured("the tokenizer when LLM(tokenizer=) is not given"),
@@ -231,7 +241,9 @@ FIELDS: dict[str, Setting] = {
     "seed": _honoured("derives the seed of every request without seq_seed (LLM(seed=))"),
     "max_model_len": _honoured("most tokens per request (LLM(max_model_len=))"),
     "load_format": _honoured("'dummy': random weights at the config's shapes, no checkpoint read"),
-    "served_model_name": _not_built(_SERVER),
+    "served_model_name": _honoured(
+        "the model name deepinfer-jax serve reports and accepts (None: the --model value)"
+    ),
     "disable_log_stats": _honoured("no periodic statistics log lines"),
     "stats_log_interval_steps": _honoured("steps between statistics log lines (<= 0: none)"),
     "gc_interval_steps": _honoured(

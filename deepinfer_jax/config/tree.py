@@ -34,6 +34,7 @@ __all__ = [
     "ParallelConfig",
     "SamplingConfig",
     "SchedulerConfig",
+    "ServerConfig",
     "SpeculativeConfig",
     "config_to_dict",
 ]
@@ -354,6 +355,42 @@ class OpsConfig(Checked):
         check_range("ops.indexer_workspace_bytes", self.indexer_workspace_bytes, ge=1)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig(Checked):
+    """The HTTP server of ``deepinfer-jax serve`` (docs/serving.md).
+
+    The API key is not a config field (a config is printed and logged); it comes from ``--api_key`` or the
+    ``DEEPINFER_API_KEY`` variable.
+
+    Attributes:
+        host: the address the server binds (``127.0.0.1``: reachable from this machine only).
+        port: its TCP port (0 = any free port, printed at start-up).
+        max_queued_requests: requests accepted and not yet running beyond which a new one is refused with 429
+            and a ``Retry-After`` header.
+        max_request_body_bytes: a larger request body is refused with 413 before it is parsed.
+        drain_timeout_s: on shutdown (Ctrl-C), how long running requests may take to finish before the rest
+            are aborted.
+        default_thinking: the thinking mode of a request that does not choose one.
+    """
+
+    _PREFIX: ClassVar[str] = "server"
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_queued_requests: int = 256
+    max_request_body_bytes: int = 16 << 20
+    drain_timeout_s: float = 30.0
+    default_thinking: bool = False
+
+    def _validate(self) -> None:
+        if not self.host:
+            raise ConfigValueError("server.host = '': give an address such as 127.0.0.1", field="server.host")
+        check_range("server.port", self.port, ge=0, le=65535)
+        check_range("server.max_queued_requests", self.max_queued_requests, ge=0)
+        check_range("server.max_request_body_bytes", self.max_request_body_bytes, ge=1)
+        check_range("server.drain_timeout_s", self.drain_timeout_s, ge=0.0)
+
+
 SECTIONS: dict[str, type[Checked]] = {
     "cache": CacheConfig,
     "parallel": ParallelConfig,
@@ -361,6 +398,7 @@ SECTIONS: dict[str, type[Checked]] = {
     "speculative": SpeculativeConfig,
     "sampling": SamplingConfig,
     "ops": OpsConfig,
+    "server": ServerConfig,
 }
 """The tree's sections other than ``model`` (which is parsed from an HF dict) and the root's own fields."""
 
@@ -384,7 +422,7 @@ class EngineConfig(Checked):
         seed: device RNG seed (token sampling is keyed by each request's own seed, not by this).
         max_model_len: maximum prompt + output length of a request.
         load_format: ``"auto"`` (safetensors from ``model_path``) or ``"dummy"`` (synthetic weights).
-        served_model_name: the name reported by the server and in outputs.
+        served_model_name: the model name the server reports and accepts (``None`` = the ``--model`` value).
         disable_log_stats: no periodic statistics logging.
         stats_log_interval_steps: steps between statistics log lines (<= 0 disables them).
         gc_interval_steps: > 0: automatic garbage collection is off while the engine runs and it collects every
@@ -400,6 +438,7 @@ class EngineConfig(Checked):
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     ops: OpsConfig = field(default_factory=OpsConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     model_path: str | None = None
     tokenizer: str | None = None
     revision: str | None = None
@@ -409,7 +448,7 @@ class EngineConfig(Checked):
     seed: int = 0
     max_model_len: int = 4096
     load_format: Literal["auto", "dummy"] = "auto"
-    served_model_name: str = "deepinfer-model"
+    served_model_name: str | None = None
     disable_log_stats: bool = False
     stats_log_interval_steps: int = 100
     gc_interval_steps: int = 0

@@ -16,6 +16,8 @@ from deepinfer_jax._lazy import lazy_exports
 # Exported lazily: the facade pulls in JAX, which the numpy-only scheduler side must not import.
 _LAZY: dict[str, str] = {
     "LLM": "deepinfer_jax.engine.llm",
+    "AsyncLLM": "deepinfer_jax.engine.async_llm",
+    "RequestOutputKind": "deepinfer_jax.engine.params",
     "SamplingParams": "deepinfer_jax.engine.params",
     "RequestOutput": "deepinfer_jax.engine.params",
     "CompletionOutput": "deepinfer_jax.engine.params",
@@ -23,17 +25,28 @@ _LAZY: dict[str, str] = {
     "RequestMetrics": "deepinfer_jax.engine.params",
 }
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "CompletionOutput",
+    "Logprob",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+]
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
 
 
 if TYPE_CHECKING:
+    from deepinfer_jax.engine.async_llm import AsyncLLM
     from deepinfer_jax.engine.llm import LLM
     from deepinfer_jax.engine.params import (
         CompletionOutput,
         Logprob,
         RequestMetrics,
         RequestOutput,
+        RequestOutputKind,
         SamplingParams,
     )

@@ -13,6 +13,7 @@ ids inside the vocabulary, lengths against ``max_model_len``) are in :func:`vali
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -26,6 +27,7 @@ __all__ = [
     "Logprob",
     "RequestMetrics",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "derive_seed",
     "seed_words",
@@ -40,6 +42,22 @@ _SEED_LIMIT = 2**64
 _MASK64_ = 2**64 - 1
 
 FinishReason = Literal["stop", "length", "error", "abort"]
+"""Why a request ended: a stop (EOS, stop id, stop string), a length limit, an error of this request alone, or an
+abort by its caller (:meth:`~deepinfer_jax.engine.async_llm.AsyncLLM.abort`, a client that disconnected)."""
+
+
+class RequestOutputKind(enum.Enum):
+    """What the outputs streamed by :class:`~deepinfer_jax.engine.async_llm.AsyncLLM` hold (vLLM's enum).
+
+    ``CUMULATIVE``: every output holds everything generated so far; ``DELTA``: each output holds only what is new
+    since the previous one (its text, token ids and logprobs); ``FINAL_ONLY``: one output, when the request has
+    finished. Offline :meth:`~deepinfer_jax.engine.llm.LLM.generate` returns final outputs whatever the kind.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
 
 _F32_TINY = float(np.finfo(np.float32).tiny)
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -162,6 +180,7 @@ class SamplingParams:
     ``first_n_token_no_eos``    0       >= 0: EOS cannot be sampled as one of the first n output tokens
     ``seq_seed`` (``seed``)     None    [0, 2**64); None = derived from ``LLM(seed=)`` and the request index
     ``so_args``                 None    structured outputs arrive in a later release: must be None
+    ``output_kind``             CUMUL.  a :class:`RequestOutputKind`: what an ``AsyncLLM`` stream's outputs hold
     ==========================  ======  =======================================================================
 
     ``stop`` and ``stop_token_ids`` are stored as tuples (``stop="x"`` becomes ``("x",)``), so that a
@@ -186,6 +205,7 @@ class SamplingParams:
     first_n_token_no_eos: int
     seq_seed: int | None
     so_args: None
+    output_kind: RequestOutputKind
     n: int
     include_stop_str_in_output: bool
     skip_special_tokens: bool
@@ -218,6 +238,7 @@ class SamplingParams:
         top_logprobs: int | None = None,
         golden_token_ids: Sequence[int] | None = None,
         first_n_token_no_eos: int = 0,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
         n: int = 1,
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
@@ -301,6 +322,12 @@ class SamplingParams:
                 "release); pass so_args=None"
             )
         values["so_args"] = None
+        if not isinstance(output_kind, RequestOutputKind):
+            raise TypeError(
+                f"SamplingParams.output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), got "
+                f"{type(output_kind).__name__} ({output_kind!r})"
+            )
+        values["output_kind"] = output_kind
         nn = _int("n", n)
         if not 1 <= nn <= MAX_N:
             raise ValueError(f"SamplingParams.n = {nn} must be in [1, {MAX_N}]")
@@ -598,7 +625,8 @@ class CompletionOutput:
         cumulative_logprob: sum of the chosen tokens' logprobs when ``logprobs`` was requested, else ``None``.
         logprobs: one ``{token_id: Logprob}`` per output token (the chosen token and the top-n alternatives)
             when requested, else ``None``.
-        finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ``"error"``, or ``None`` while running.
+        finish_reason: ``"stop"``, ``"length"``, ``"error"``, ``"abort"`` (ended by its caller), or ``None``
+            while running.
         stop_reason: the stop string or stop token id that ended it (``None`` for EOS, length and errors).
         error: the message when ``finish_reason == "error"``.
     """

@@ -227,10 +227,13 @@ class EngineRunner:
         on_finished: Callable[[RequestOutput], None] | None = None,
         *,
         poll: Callable[[], bool] | None = None,
+        keep_outputs: bool = True,
     ) -> tuple[list[RequestOutput], RunStats]:
         """Run until no request is unfinished; returns the finished outputs and the run's stats.
 
-        ``on_finished`` is called once per finished request as soon as it finishes (progress bars).
+        ``on_finished`` is called once per finished request as soon as it finishes (progress bars, or a server
+        handing each output to its client). ``keep_outputs=False`` returns an empty list instead of every finished
+        output (a long-lived caller that takes them through ``on_finished`` does not keep them all in memory).
 
         ``poll`` makes the loop serve requests that arrive while it runs (an online client, e.g. the request-rate
         benchmark): it is called before every scheduling round, may add requests to the scheduler, and returns
@@ -251,7 +254,8 @@ class EngineRunner:
         def take(outputs: list[RequestOutput]) -> None:
             for output in outputs:
                 if output.finished:
-                    finished.append(output)
+                    if keep_outputs:
+                        finished.append(output)
                     stats.generated_tokens += sum(len(c.token_ids) for c in output.outputs)
                     stats.prompt_tokens += len(output.prompt_token_ids)
                     if on_finished is not None:

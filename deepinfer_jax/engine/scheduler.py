@@ -497,9 +497,15 @@ class DeviceScheduler:
         self._waiting.append(req)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """End an unfinished request now (``finish_reason="abort"``), freeing its blocks and slot at once; returns
-        its final output, or ``None`` when no unfinished request has this id. Samples of steps still in flight
-        for it are dropped when they arrive."""
+        """End an unfinished request now, with ``finish_reason="abort"``; returns its final output (``None`` when
+        no unfinished request has this id). Used by ``AsyncLLM.abort`` (a caller, a client that disconnected);
+        :meth:`abort_all` is its counterpart for every request at once (``LLM``'s recovery after a failed run).
+
+        Its blocks and state slot are freed at once, queued or running, even while a dispatched step still
+        computes its next token: the device runs steps in order, so a later owner's writes land after that
+        step's, and the step's sample is dropped when it arrives (counted in ``stats.num_wasted_samples``). A
+        request with ``n`` samples ends with all of them.
+        """
         req = self._requests.get(request_id)
         if req is None:
             return None
@@ -1149,7 +1155,8 @@ class Scheduler:
         return self.devices[self._owner[request_id]].get_request(request_id)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """End one unfinished request now, on its device (:meth:`DeviceScheduler.abort`)."""
+        """End an unfinished request now and free its blocks and slot (:meth:`DeviceScheduler.abort`); returns its
+        final output, ``finish_reason="abort"`` (``None`` when no unfinished request has this id)."""
         device = self._owner.pop(request_id, None)
         if device is None:
             return None

@@ -171,7 +171,19 @@ class ChatEncoder:
         reasoning_effort: str | None = None,
     ) -> EncodedChat:
         """Like :meth:`encode`, returning an :class:`EncodedChat` that can also build the reply's parser."""
-        request = self._convert(messages, tools, thinking, reasoning_effort)
+        return self.encode_request(self._convert(messages, tools, thinking, reasoning_effort))
+
+    def encode_request(self, request: recipe.ConversationRequest) -> EncodedChat:
+        """Encode a request the recipe converted from a protocol body (Chat Completions, Responses or
+        Messages: ``recipe.*Request(body).convert(options)``), with this encoder's template and vocabulary.
+
+        The caller makes sure the request targets this encoder's model version (the server's conversion
+        options accept only its own model name).
+        """
+        if not isinstance(request, recipe.ConversationRequest):
+            raise TypeError(
+                f"request must be a deepseek_recipe.ConversationRequest, got {type(request).__name__}"
+            )
         conversation = request.conversation
         rendered = self._encoding.render_conversation(conversation)
         try:

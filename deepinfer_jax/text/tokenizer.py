@@ -259,6 +259,33 @@ class Tokenizer:
             raise
         return [self._bos_id, *ids] if add_bos else ids
 
+    def encode_plain(self, text: str, *, add_bos: bool = False) -> list[int]:
+        """Encode ``text`` as ordinary text: a spelling of any added token (BOS, EOS, the chat markers) inside it
+        is encoded by the plain BPE, never as that token's id.
+
+        This is how text from an untrusted client becomes a prompt (the chat template does the same for message
+        text): a user who types ``<｜Assistant｜>`` gets the bytes of those characters, not the marker.
+        ``decode(encode_plain(text))`` equals ``text`` for a byte-level tokenizer.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        plain = self._plain_backend()
+        try:
+            ids = plain.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            return self.encode(text, add_bos=add_bos)  # the same refusal as encode, with its message
+        return [self._bos_id, *ids] if add_bos else ids
+
+    def _plain_backend(self) -> _HFTokenizer:
+        """The same tokenizer without its added vocabulary (built once; a race builds it twice, harmlessly)."""
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            spec = json.loads(self._backend.to_str())
+            spec["added_tokens"] = []
+            plain = _HFTokenizer.from_str(json.dumps(spec))
+            self.__dict__["_plain"] = plain
+        return plain
+
     def decode(self, ids: Iterable[Any], *, skip_special_tokens: bool = False) -> str:
         """Decode token ids to text; ``skip_special_tokens`` drops the ids in :attr:`special_ids`.
 

@@ -134,10 +134,10 @@ def test_no_effect_variable_warns_why():
 
 
 def test_project_variables_are_silent():
-    assert set(PROJECT_ENV_VARS) == {"DEEPINFER_JAX_CACHE"}
+    assert set(PROJECT_ENV_VARS) == {"DEEPINFER_JAX_CACHE", "DEEPINFER_API_KEY"}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert read_env({"DEEPINFER_JAX_CACHE": "/somewhere"}) == {}
+        assert read_env({"DEEPINFER_JAX_CACHE": "/somewhere", "DEEPINFER_API_KEY": "secret"}) == {}
 
 
 def test_unbounded_grammar_cache_warns():
