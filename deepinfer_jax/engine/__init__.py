@@ -21,9 +21,10 @@ _LAZY: dict[str, str] = {
     "CompletionOutput": "deepinfer_jax.engine.params",
     "Logprob": "deepinfer_jax.engine.params",
     "RequestMetrics": "deepinfer_jax.engine.params",
+    "StructuredOutputsParams": "deepinfer_jax.engine.structured",
 }
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
 
@@ -37,3 +38,4 @@ if TYPE_CHECKING:
         RequestOutput,
         SamplingParams,
     )
+    from deepinfer_jax.engine.structured import StructuredOutputsParams

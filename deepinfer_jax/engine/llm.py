@@ -35,6 +35,7 @@ from deepinfer_jax.config import load_config_with_sources
 from deepinfer_jax.config.status import check_settings, env_report, field_value
 from deepinfer_jax.engine import chat as _chat
 from deepinfer_jax.engine.buckets import step_buckets
+from deepinfer_jax.engine.grammar import GrammarCompiler
 from deepinfer_jax.engine.mesh_eplb import MeshExpertBalancer
 from deepinfer_jax.engine.params import RequestOutput, SamplingParams, derive_seed, validate_request
 from deepinfer_jax.engine.runner import EngineRunner, RunnerOptions, RunStats
@@ -506,6 +507,19 @@ class LLM:
             )
         self.max_model_len = max_model_len
         max_blocks = -(-(max_model_len - 1) // spec.block_size)
+        sampling = config.sampling
+        self.grammar_compiler: GrammarCompiler | None = None
+        """Compiles structured-output grammars off the step's path (``None`` without a tokenizer)."""
+        if self.tokenizer is not None:
+            self.grammar_compiler = GrammarCompiler(
+                self.tokenizer,
+                cfg.vocab_size,
+                self.eos_token_ids,
+                threads=sampling.grammar_threads,
+                timeout_s=sampling.grammar_compile_timeout_s,
+                cache=sampling.grammar_cache,
+                cache_limit_bytes=sampling.grammar_cache_limit_bytes,
+            )
         self.scheduler = Scheduler(
             num_devices=num_devices,
             num_blocks=spec.num_blocks,
@@ -521,6 +535,7 @@ class LLM:
             tokenizer=self.tokenizer,
             min_bucket_fill=config.scheduler.min_bucket_fill,
             banned_token_ids=config.sampling.banned_token_ids,
+            grammar_compiler=self.grammar_compiler,
         )
         self.last_stats: RunStats | None = None
         self.expert_balancer: MeshExpertBalancer | None = None
@@ -709,8 +724,8 @@ class LLM:
             arr = validate_request(
                 ids, p, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, index=i
             )
-            if (p.stop or p.bad_words) and self.tokenizer is None:
-                name = "stop" if p.stop else "bad_words"
+            if (p.stop or p.bad_words or p.structured_outputs) and self.tokenizer is None:
+                name = "stop" if p.stop else "bad_words" if p.bad_words else "structured_outputs"
                 raise ValueError(
                     f"request {i}: sampling_params.{name} needs a tokenizer; this model has none"
                 )
@@ -779,6 +794,8 @@ class LLM:
             return
         self._closed = True
         self.scheduler.abort_all()
+        if self.grammar_compiler is not None:
+            self.grammar_compiler.close()
         self.executor.release()
         for leaf in jax.tree.leaves((self.executor.params, self.model.params)):
             if isinstance(leaf, jax.Array) and not leaf.is_deleted():

@@ -325,7 +325,7 @@ class StepPlan:
     @property
     def variant(self) -> tuple[int, ...]:
         """The key of the compiled step this plan needs: ``(T, S, mask width, num_logprobs, prompt width,
-        logit-bias width, allowed-ids width)``."""
+        logit-bias width, allowed-ids width, grammar-mask width, cache-copy widths)``."""
         st = self.inputs.sampling
         return (
             self.padded_tokens,
@@ -335,6 +335,7 @@ class StepPlan:
             self.num_prompt_logprobs,
             int(st.bias_ids.shape[2]),
             int(st.allowed_ids.shape[2]),
+            int(st.token_bitmask.shape[2]),
             *(
                 (-1, -1)
                 if self.inputs.copies is None
@@ -430,6 +431,7 @@ def build_plan(
     prompt_lens = np.zeros((d, s), np.int32)
     targets: np.ndarray | None = None
     params, seeds, sample_pos, output_lens, row_index, extra = [], [], [], [], [], []
+    grammars: list[tuple[int, Any]] = []  # (row, the request's RequestGrammar) of sampled constrained rows
     wanted = prompt_wanted = 0
     for dev, batch in enumerate(batches):
         if batch is None:
@@ -460,6 +462,9 @@ def build_plan(
             output_lens.append(max(context - prompt_len, 0))
             row_index.append(dev * s + i)
             extra.append(_bad_word_completions(req) if row.sample else ())
+            grammar = getattr(req, "grammar", None)
+            if row.sample and grammar is not None:
+                grammars.append((dev * s + i, grammar))
             wanted = max(wanted, p.logprobs or 0)
             if p.prompt_logprobs is not None:
                 inside = pos + 1 < prompt_len
@@ -471,6 +476,12 @@ def build_plan(
                     prompt_wanted = max(prompt_wanted, p.prompt_logprobs)
             offset = end
         query_start[dev, len(batch.rows) :] = offset
+    bitmask = None
+    if any(g.constrains() for _, g in grammars):
+        # Filled on the host while the previous step runs on the device; unconstrained rows stay all ones.
+        bitmask = np.full((d * s, (vocab_size + 31) // 32), -1, np.int32)
+        for r, g in grammars:
+            g.fill(bitmask[r])
     flat = SamplingTensors.build(
         params,
         seeds,
@@ -482,6 +493,7 @@ def build_plan(
         num_rows=d * s,
         row_index=row_index,
         extra_masked_ids=extra,
+        token_bitmask=bitmask,
     )
     sampling = flat.reshape_rows(d, s)
     copies = None
