@@ -24,7 +24,15 @@ _LAZY: dict[str, str] = {
     "StructuredOutputsParams": "deepinfer_jax.engine.structured",
 }
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
 

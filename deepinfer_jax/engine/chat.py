@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -225,7 +226,33 @@ def chat(
         except (TypeError, ValueError) as exc:
             where = "" if len(conversations) == 1 else f"conversation {index}: "
             raise type(exc)(f"chat: {where}{exc}") from exc
+    if thinking:
+        params = [_after_reasoning(p, encoder.marker_ids["</think>"]) for p in params]
     outputs = llm.generate(
         prompt_token_ids=[list(e.token_ids) for e in encoded], sampling_params=params, use_tqdm=use_tqdm
     )
-    return [parse_chat_output(e, out.outputs[0]) for e, out in zip(encoded, outputs, strict=True)]
+    return [
+        _with_parsed(parse_chat_output(e, out.outputs[0]), p)
+        for e, out, p in zip(encoded, outputs, params, strict=True)
+    ]
+
+
+def _after_reasoning(params: SamplingParams, think_end: int) -> SamplingParams:
+    """In thinking mode a grammar applies to the answer: after the model's ``</think>`` id (a trigger on the
+    id, never on text), unless the request names its own trigger."""
+    so = params.structured_outputs
+    if so is None or so.trigger_token_ids is not None:
+        return params
+    return params.replace(structured_outputs=so.with_trigger((think_end,)))
+
+
+def _with_parsed(out: ChatOutput, params: SamplingParams) -> ChatOutput:
+    """``ChatOutput.parsed``: the JSON value of a JSON-constrained answer (``None`` if it does not parse)."""
+    so = params.structured_outputs
+    if so is None or so.kind not in ("json", "json_object"):
+        return out
+    try:
+        value = json.loads(out.content)
+    except ValueError:
+        return out
+    return dataclasses.replace(out, parsed=value)

@@ -135,7 +135,9 @@ class GrammarCompiler:
                     del self._cache[text]
                 self._cache[text] = future
                 self._cache_bytes += len(text.encode())
-                while self.cache_limit_bytes > 0 and self._cache_bytes > self.cache_limit_bytes and self._cache:
+                while (
+                    self.cache_limit_bytes > 0 and self._cache_bytes > self.cache_limit_bytes and self._cache
+                ):
                     old, _ = self._cache.popitem(last=False)
                     self._cache_bytes -= len(old.encode())
             return future
@@ -322,7 +324,9 @@ class RequestGrammar:
                 self.fill(out[k])
         finally:
             if consumed and self.matcher is not None and not self.matcher.rollback(consumed):
-                raise RuntimeError(f"llguidance could not roll back {consumed} tokens: {self.matcher.get_error()}")
+                raise RuntimeError(
+                    f"llguidance could not roll back {consumed} tokens: {self.matcher.get_error()}"
+                )
             self._restore(snap)
         return accepted
 

@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from deepinfer_jax.cache.blocks import BlockAllocator, StateSlotManager, blocks_for_tokens
+from deepinfer_jax.engine.grammar import GrammarCompiler, RequestGrammar, bitmask_words
 from deepinfer_jax.engine.params import (
     CompletionOutput,
     FinishReason,
@@ -65,7 +66,6 @@ from deepinfer_jax.engine.params import (
     derive_seed,
     validate_request,
 )
-from deepinfer_jax.engine.grammar import GrammarCompiler, RequestGrammar, bitmask_words
 from deepinfer_jax.engine.plan import DeviceBatch, ScheduledRow, StepPlan, build_plan, choose_bucket
 from deepinfer_jax.text.detokenize import IncrementalDetokenizer
 from deepinfer_jax.text.tokenizer import Tokenizer
@@ -480,7 +480,11 @@ class DeviceScheduler:
             req.think_end = think_end
         elif params.thinking_token_budget is not None:
             req.grammar = RequestGrammar.for_params(
-                None, None, bitmask_words(self.vocab_size), budget=params.thinking_token_budget, think_end=think_end,
+                None,
+                None,
+                bitmask_words(self.vocab_size),
+                budget=params.thinking_token_budget,
+                think_end=think_end,
                 eos=self.eos_token_ids,
             )
         self._order += 1

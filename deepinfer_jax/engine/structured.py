@@ -123,7 +123,9 @@ class StructuredOutputsParams:
             else:
                 raise TypeError(f"{name}.json must be a dict or a str, got {type(json).__name__}")
             if not isinstance(parsed, Mapping | bool):
-                raise ValueError(f"{name}.json must be a JSON schema (an object), got {type(parsed).__name__}")
+                raise ValueError(
+                    f"{name}.json must be a JSON schema (an object), got {type(parsed).__name__}"
+                )
             try:
                 values["json"] = _json.dumps(parsed, sort_keys=True, separators=(",", ":"))
             except (TypeError, ValueError) as err:
@@ -156,7 +158,9 @@ class StructuredOutputsParams:
         values["disable_any_whitespace"] = disable_any_whitespace
         trigger = None if trigger_token_ids is None else _ids(f"{name}.trigger_token_ids", trigger_token_ids)
         if trigger is not None and not trigger:
-            raise ValueError(f"{name}.trigger_token_ids is empty; give None for a grammar from the first token")
+            raise ValueError(
+                f"{name}.trigger_token_ids is empty; give None for a grammar from the first token"
+            )
         values["trigger_token_ids"] = trigger
         if bound_token_id is not None:
             if isinstance(bound_token_id, bool) or not isinstance(bound_token_id, int):
@@ -215,7 +219,9 @@ class StructuredOutputsParams:
     ) -> StructuredOutputsParams:
         """The same constraint, applied only after ``trigger_token_ids`` (what ``LLM.chat`` does in thinking
         mode with the ``</think>`` id)."""
-        return dataclasses.replace(self, trigger_token_ids=tuple(trigger_token_ids), bound_token_id=bound_token_id)
+        return dataclasses.replace(
+            self, trigger_token_ids=tuple(trigger_token_ids), bound_token_id=bound_token_id
+        )
 
 
 def from_so_args(so_args: Mapping[str, Any]) -> StructuredOutputsParams:

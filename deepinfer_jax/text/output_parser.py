@@ -128,7 +128,8 @@ class ChatOutput:
     ``reasoning_content`` is None when thinking mode was off. ``finish_reason`` is the protocol's reason
     (``"stop"``, ``"length"``, ``"tool_calls"``, ``"content_filter"``). ``usage`` holds ``prompt_tokens``,
     ``completion_tokens`` (every generated id, markers and EOS included) and ``reasoning_tokens`` (the ids before
-    the ``</think>`` id, in thinking mode).
+    the ``</think>`` id, in thinking mode). ``parsed`` is ``json.loads(content)`` when the request was constrained
+    to JSON (a schema or ``json_object``) and the content parses, else ``None``.
     """
 
     reasoning_content: str | None
@@ -136,6 +137,7 @@ class ChatOutput:
     tool_calls: tuple[ToolCall, ...]
     finish_reason: str | None
     usage: Mapping[str, int]
+    parsed: Any = None
 
 
 class ChatOutputParser:
