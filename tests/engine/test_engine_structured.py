@@ -183,7 +183,7 @@ def big_batch(llm):
 
 
 def test_json_schemas_stop_and_validate(big_batch):
-    params, outs = big_batch
+    _, outs = big_batch
     assert len(SCHEMAS) >= 30
     stopped = 0
     for schema, out in zip(SCHEMAS, outs[: len(SCHEMAS)], strict=True):
@@ -196,7 +196,7 @@ def test_json_schemas_stop_and_validate(big_batch):
 
 
 def test_regex_grammar_choice_and_json_object(big_batch):
-    params, outs = big_batch
+    _, outs = big_batch
     rest = outs[len(SCHEMAS) :]
     for (name, rx), out in zip(REGEXES.items(), rest[:3], strict=True):
         c = out.outputs[0]
