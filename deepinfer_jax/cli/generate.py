@@ -2,7 +2,8 @@
 completions.
 
 Prompts come from `--prompt` (repeatable) or `--prompt_ids` (comma-separated token ids, repeatable, for models
-without a tokenizer). A progress bar runs while the requests are generated, and a one-line summary (requests,
+without a tokenizer). `--json_schema FILE`, `--regex R`, `--choice a,b,c`, `--grammar FILE` (Lark-style EBNF) or
+`--json_object` constrain every completion (structured outputs; at most one of them). A progress bar runs while the requests are generated, and a one-line summary (requests,
 tokens, tokens/s, compile time) follows. Built-in models have random weights, so their text is noise; the
 command says so.
 """
@@ -26,6 +27,55 @@ def define_flags(fv: flags.FlagValues) -> None:
     )
     common.define_engine_flags(fv, max_tokens=16, max_tokens_help="tokens to generate per prompt")
     flags.DEFINE_boolean("ignore_eos", False, "keep generating after EOS", flag_values=fv)
+    flags.DEFINE_string("json_schema", None, "constrain the output to this JSON schema file", flag_values=fv)
+    flags.DEFINE_string("regex", None, "constrain the output to this regular expression", flag_values=fv)
+    flags.DEFINE_list(
+        "choice", None, "constrain the output to one of these comma-separated strings", flag_values=fv
+    )
+    flags.DEFINE_string(
+        "grammar", None, "constrain the output to this Lark-style EBNF grammar file", flag_values=fv
+    )
+    flags.DEFINE_boolean("json_object", False, "constrain the output to any JSON value", flag_values=fv)
+
+
+def structured_outputs_from_flags(fv: flags.FlagValues):  # -> StructuredOutputsParams | None
+    """The ``StructuredOutputsParams`` the structured-output flags ask for (``None`` for none of them)."""
+    from deepinfer_jax.engine.structured import StructuredOutputsParams
+
+    given = [
+        name
+        for name, v in (
+            ("json_schema", fv.json_schema),
+            ("regex", fv.regex),
+            ("choice", fv.choice),
+            ("grammar", fv.grammar),
+            ("json_object", fv.json_object or None),
+        )
+        if v is not None
+    ]
+    if len(given) > 1:
+        raise ValueError(
+            f"give at most one of --json_schema, --regex, --choice, --grammar, --json_object; got {given}"
+        )
+    if not given:
+        return None
+
+    def read(flag: str, path: str) -> str:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except OSError as err:
+            raise ValueError(f"--{flag} {path!r}: {err.strerror}") from None
+
+    if fv.json_schema is not None:
+        return StructuredOutputsParams(json=read("json_schema", fv.json_schema))
+    if fv.grammar is not None:
+        return StructuredOutputsParams(grammar=read("grammar", fv.grammar))
+    if fv.regex is not None:
+        return StructuredOutputsParams(regex=fv.regex)
+    if fv.choice is not None:
+        return StructuredOutputsParams(choice=list(fv.choice))
+    return StructuredOutputsParams(json_object=True)
 
 
 def _parse_ids(items: list[str]) -> list[list[int]]:
@@ -49,6 +99,7 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
     from deepinfer_jax.models import builtin
 
     try:
+        structured = structured_outputs_from_flags(fv)  # bad flags are refused before the engine is built
         llm = common.llm_from_flags(fv)
         params = SamplingParams(
             temperature=fv.temperature,
@@ -56,6 +107,7 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
             top_k=fv.top_k,
             max_tokens=fv.max_tokens,
             ignore_eos=fv.ignore_eos,
+            structured_outputs=structured,
         )
         if builtin.is_builtin(fv.model):
             print(f"{fv.model} is a built-in test model with random weights: its completions are noise.")

@@ -101,7 +101,9 @@ def test_is_a_pytree_that_moves_to_the_device():
 
 def test_token_bitmask_is_checked():
     words = (V + 31) // 32
-    st = SamplingTensors.build([Row()], [3], [4], V, num_rows=2, token_bitmask=np.full((2, words), -1, np.int32))
+    st = SamplingTensors.build(
+        [Row()], [3], [4], V, num_rows=2, token_bitmask=np.full((2, words), -1, np.int32)
+    )
     assert st.token_bitmask.shape == (2, words)
     with pytest.raises(ValueError, match=r"token_bitmask must be int32 \[2, " + str(words)):
         SamplingTensors.build([Row()], [3], [4], V, num_rows=2, token_bitmask=np.zeros((2, 1), np.int32))
