@@ -34,7 +34,7 @@ import numpy as np
 
 from deepinfer_jax.engine.structured import StructuredOutputsParams, _llguidance
 
-__all__ = ["GrammarCompiler", "RequestGrammar", "bitmask_words", "unpack_bitmask"]
+__all__ = ["GrammarCompiler", "RequestGrammar", "bitmask_words", "fill_masks", "unpack_bitmask"]
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -342,3 +342,29 @@ class RequestGrammar:
         )
         twin._restore(self._snapshot())
         return twin
+
+
+_EXECUTOR: Any = None
+
+
+def fill_masks(rows: Sequence[tuple[int, RequestGrammar]], bitmask: np.ndarray) -> None:
+    """Fill ``bitmask[r]`` for every ``(r, grammar)``: the rows whose grammar constrains are computed by
+    llguidance's parallel executor (native threads, without the GIL), the others (free, forced, done) here."""
+    global _EXECUTOR
+    if bitmask.dtype != np.int32 or bitmask.ndim != 2 or not bitmask.flags["C_CONTIGUOUS"]:
+        raise ValueError("fill_masks: bitmask must be a contiguous int32 [rows, W] array")
+    live = []
+    for r, g in rows:
+        if g._grammar_live():
+            live.append((g.matcher, int(r)))
+        else:
+            g.fill(bitmask[r])
+    if len(live) == 1:
+        matcher, r = live[0]
+        matcher.unsafe_compute_mask_ptr(bitmask[r].ctypes.data, bitmask[r].nbytes)
+    elif live:
+        if _EXECUTOR is None:
+            _EXECUTOR = _llguidance().LLExecutor()
+        import llguidance.numpy as lnp
+
+        lnp.fill_next_token_bitmask_par(_EXECUTOR, live, bitmask)

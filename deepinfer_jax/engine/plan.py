@@ -23,11 +23,13 @@ given explicitly.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from deepinfer_jax.engine.grammar import fill_masks
 from deepinfer_jax.sampling.tensors import SamplingTensors
 
 __all__ = [
@@ -292,12 +294,14 @@ class StepPlan:
       num_prompt_logprobs: the compiled width covering every row's ``prompt_logprobs``; ``-1`` when
         ``inputs.prompt_targets`` is ``None`` (the step computes no prompt logprobs).
       batches: each device's :class:`DeviceBatch`, ``None`` for a device that runs a placeholder.
+      mask_seconds: host time spent filling the grammar masks of this plan (structured outputs).
     """
 
     inputs: StepInputs
     num_logprobs: int
     num_prompt_logprobs: int
     batches: tuple[DeviceBatch | None, ...]
+    mask_seconds: float = 0.0
 
     @property
     def num_devices(self) -> int:
@@ -477,11 +481,11 @@ def build_plan(
             offset = end
         query_start[dev, len(batch.rows) :] = offset
     bitmask = None
+    mask_start = time.perf_counter()
     if any(g.constrains() for _, g in grammars):
         # Filled on the host while the previous step runs on the device; unconstrained rows stay all ones.
         bitmask = np.full((d * s, (vocab_size + 31) // 32), -1, np.int32)
-        for r, g in grammars:
-            g.fill(bitmask[r])
+        fill_masks(grammars, bitmask)
     flat = SamplingTensors.build(
         params,
         seeds,
@@ -529,4 +533,5 @@ def build_plan(
         logprob_variant(wanted),
         -1 if targets is None else logprob_variant(prompt_wanted),
         tuple(batches),
+        time.perf_counter() - mask_start if bitmask is not None else 0.0,
     )

@@ -278,6 +278,10 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_wasted_samples: int = 0
     """Samples discarded because their request had stopped after the step was scheduled."""
+    num_masked_steps: int = 0
+    """Steps with a grammar-constrained row (structured outputs; counted on device 0's stats)."""
+    mask_seconds: float = 0.0
+    """Host time spent filling grammar masks (counted on device 0's stats)."""
 
 
 def _priority(req: Request) -> tuple[int, int]:
@@ -1316,6 +1320,9 @@ class Scheduler:
             eos_token_ids=self.eos_token_ids,
             banned_token_ids=self.banned_token_ids,
         )
+        if plan.mask_seconds:
+            self.devices[0].stats.num_masked_steps += 1
+            self.devices[0].stats.mask_seconds += plan.mask_seconds
         for s, b in zip(self.devices, batches, strict=True):
             s.stats.num_padding_tokens += plan.padded_tokens - (0 if b is None else b.num_tokens)
         return plan

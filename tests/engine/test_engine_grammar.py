@@ -15,7 +15,13 @@ import pytest
 
 import deepinfer_jax
 from deepinfer_jax import sampling
-from deepinfer_jax.engine.grammar import GrammarCompiler, RequestGrammar, bitmask_words, unpack_bitmask
+from deepinfer_jax.engine.grammar import (
+    GrammarCompiler,
+    RequestGrammar,
+    bitmask_words,
+    fill_masks,
+    unpack_bitmask,
+)
 from deepinfer_jax.engine.params import SamplingParams
 from deepinfer_jax.engine.structured import StructuredOutputsParams as SO
 from deepinfer_jax.sampling import SamplingTensors
@@ -321,3 +327,23 @@ def test_draft_masks_through_eos_and_against_llguidance_drafts():
         llguidance.LLExecutor(), [(m, 0, tok.encode("12"))], theirs
     )
     np.testing.assert_array_equal(out[: k + 1], theirs)
+
+
+def test_fill_masks_in_parallel_equals_one_by_one():
+    """The plan's mask fill (llguidance's parallel executor for the constraining rows) gives each row what its
+    own ``fill`` gives: grammar rows at different states, a free row before its trigger, a forced row."""
+    tok = _tok()
+    grammars = []
+    for text in ('{"a":', '{"a":4', "", '{"a":42,"b":"y'):
+        g = _grammar(SO(json=SCHEMA, disable_any_whitespace=True))
+        for t in tok.encode(text) if text else []:
+            assert g.accept(t) is None
+        grammars.append(g)
+    grammars.append(_grammar(SO(regex="x").with_trigger((THINK_END,))))
+    grammars.append(_grammar(SO(regex="x").with_trigger((7, THINK_END)), budget=0))
+    rows = [(2 * i, g) for i, g in enumerate(grammars)]
+    out = np.zeros((2 * len(grammars), bitmask_words(V)), np.int32)
+    fill_masks(rows, out)
+    for r, g in rows:
+        np.testing.assert_array_equal(unpack_bitmask(out[r], V), _row(g))
+    assert not out[1::2].any()  # rows without a grammar are left alone
