@@ -729,6 +729,13 @@ class LLM:
                 raise ValueError(
                     f"request {i}: sampling_params.{name} needs a tokenizer; this model has none"
                 )
+            so = p.structured_outputs
+            needs_end = p.thinking_token_budget is not None and (so is None or so.trigger_token_ids is None)
+            if needs_end and (self.tokenizer is None or self.tokenizer.token_to_id("</think>") is None):
+                raise ValueError(
+                    f"request {i}: sampling_params.thinking_token_budget needs the end of the reasoning: a "
+                    "tokenizer with a </think> token, or structured_outputs.trigger_token_ids"
+                )
             if p.n > self.scheduler.devices[0].max_num_seqs:
                 raise ValueError(
                     f"request {i}: sampling_params.n = {p.n} exceeds max_num_seqs = "

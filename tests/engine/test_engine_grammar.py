@@ -347,3 +347,46 @@ def test_fill_masks_in_parallel_equals_one_by_one():
     for r, g in rows:
         np.testing.assert_array_equal(unpack_bitmask(out[r], V), _row(g))
     assert not out[1::2].any()  # rows without a grammar are left alone
+
+
+def test_scheduler_plans_masks_only_for_constrained_steps():
+    """The plan carries a [S, W] bitmask only when a sampled row is constrained (a step without one is the
+    zero-width variant); the constrained row's mask is llguidance's, a free row of the same step is all ones, and
+    a constrained request waits for its in-flight token while the free one keeps one step in flight."""
+    from deepinfer_jax.engine.scheduler import Scheduler
+
+    sched = Scheduler(
+        num_blocks=16,
+        block_size=16,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=64,
+        vocab_size=V,
+        eos_token_ids=(EOS,),
+        tokenizer=_tok(),
+        grammar_compiler=_compiler(),
+    )
+    so = SO(regex="[0-9]{2}")
+    sched.add_request("free", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), seed=1)
+    sched.add_request("so", [5, 6], SamplingParams(max_tokens=4, structured_outputs=so), seed=2)
+    sched.devices[0].wait_for_grammars(10)  # compiled in the pool; the next schedule() admits it
+    plan = sched.schedule()
+    words = bitmask_words(V)
+    bm = plan.inputs.sampling.token_bitmask
+    assert bm.shape == (1, plan.padded_seqs, words) and plan.variant[7] == words
+    rows = {r.request.request_id: i for i, r in enumerate(plan.batches[0].rows)}
+    np.testing.assert_array_equal(unpack_bitmask(bm[0, rows["so"]], V), _llg_mask(so, []))
+    assert unpack_bitmask(bm[0, rows["free"]], V).all()
+    second = sched.schedule()  # step 1 in flight: only the free request runs, unmasked
+    assert [r.request.request_id for r in second.batches[0].rows] == ["free"]
+    assert second.inputs.sampling.token_bitmask.shape[2] == 0 and second.variant[7] == 0
+    digit = _tok().encode("4")[0]
+    tokens = np.zeros((1, plan.padded_seqs), np.int32)
+    tokens[0, rows["so"]], tokens[0, rows["free"]] = digit, 50
+    sched.process_outputs(plan, tokens)
+    third = sched.schedule()
+    rows3 = {r.request.request_id: i for i, r in enumerate(third.batches[0].rows)}
+    assert "so" in rows3
+    np.testing.assert_array_equal(
+        unpack_bitmask(third.inputs.sampling.token_bitmask[0, rows3["so"]], V), _llg_mask(so, [digit])
+    )
