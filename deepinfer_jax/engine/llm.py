@@ -835,6 +835,7 @@ class LLM:
         use_tqdm: bool = True,
         *,
         chat_version: _chat.ChatVersion | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
     ) -> list[ChatOutput]:
         """Answer one conversation (a list of OpenAI-style message dicts) or a list of conversations.
 
@@ -842,6 +843,9 @@ class LLM:
         apart, tool calls, finish reason and usage, parsed from the generated token ids. ``sampling_params`` is
         one for all or a list with one per conversation; ``tools``, ``thinking`` and ``reasoning_effort`` apply
         to all. ``chat_version`` picks the template (``None``: ``"v41"`` for DeepSeek-V4.1, else ``"v4"``).
+        ``tool_choice`` (with ``tools``): ``None`` / ``"auto"`` leaves the reply free; ``"required"`` constrains it
+        to one or more DSML tool calls of the given tools, ``{"type": "function", "function": {"name": ...}}`` to
+        one call of that tool, their parameters following the tools' schemas (docs/structured_outputs.md).
         Bad input raises before anything runs. See :mod:`deepinfer_jax.engine.chat`.
         """
         return _chat.chat(
@@ -853,6 +857,7 @@ class LLM:
             reasoning_effort=reasoning_effort,
             use_tqdm=use_tqdm,
             chat_version=chat_version,
+            tool_choice=tool_choice,
         )
 
     def __repr__(self) -> str:

@@ -1,8 +1,8 @@
 """Structured outputs through ``LLM`` on tiny-v3 (random weights, the synthetic tokenizer, real llguidance):
 constrained decoding is valid whatever the weights, so every output that stops must parse and validate.
 
-One module-scoped engine; its cache is small enough that the big batch preempts, so recompute of constrained
-requests (their matchers keep their state) is exercised too.
+One module-scoped engine; its cache is small enough that a batch of long constrained outputs preempts, so
+recompute of constrained requests (their matchers keep their state) is exercised too.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from deepinfer_jax.engine.llm import LLM
 from deepinfer_jax.engine.params import SamplingParams
 from deepinfer_jax.engine.structured import StructuredOutputsParams as SO
 
-# 20 blocks of 16 tokens: fewer than the 16 running requests of the big batch hold at their peak, so it preempts.
+# 72 blocks of 16 tokens (71 usable): room for the ~900-token prompts of chat with tools, but fewer than 16
+# requests of ~85 tokens hold (6 blocks each), so the long-regex batch preempts.
 BLOCK_BYTES = 4 * 16 * 96 * 4
 STATE_BYTES = 17 * 4 * 513
-MEMORY = 20 * BLOCK_BYTES + STATE_BYTES
+MEMORY = 72 * BLOCK_BYTES + STATE_BYTES
 
 _S = {"type": "string", "maxLength": 6}
 _I = {"type": "integer", "minimum": -50, "maximum": 50}
@@ -223,9 +224,13 @@ def test_free_requests_in_a_mixed_batch_get_their_unconstrained_tokens(llm, big_
         assert mixed.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
-def test_constrained_requests_were_preempted_and_replayed(big_batch):
-    _, outs = big_batch
-    assert sum(o.metrics.num_preemptions for o in outs[: len(SCHEMAS)]) > 0
+def test_constrained_requests_are_preempted_and_replayed(llm):
+    rx = "([a-z][0-9]){40}"  # ~80 tokens: the synthetic vocabulary merges letter runs, not letter-digit pairs
+    params = [_so_params(300 + i, SO(regex=rx), max_tokens=100) for i in range(16)]
+    outs = llm.generate([f"long {i}" for i in range(16)], params, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    for o in outs:
+        assert o.outputs[0].finish_reason == "stop" and re.fullmatch(rx, o.outputs[0].text)
 
 
 def test_compiled_grammars_are_cached(llm):
@@ -328,3 +333,60 @@ def test_thinking_budget_without_grammar_forces_the_end_of_reasoning(llm):
     p = SamplingParams(temperature=1.0, max_tokens=20, seed=4, thinking_token_budget=3, ignore_eos=True)
     (out,) = llm.chat([{"role": "user", "content": "hi"}], p, thinking=True, use_tqdm=False)
     assert out.usage["reasoning_tokens"] <= 3 and out.usage["completion_tokens"] == 20
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "weather of a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 8},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "add numbers",
+            "parameters": {
+                "type": "object",
+                "properties": {"xs": {"type": "array", "items": {"enum": [1, 2, 3]}, "maxItems": 3}},
+                "required": ["xs"],
+            },
+        },
+    },
+]
+
+
+def test_tool_choice_constrains_the_dsml_tool_calls(llm):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    conv = [[{"role": "user", "content": f"call {i}"}] for i in range(3)]
+    params = [SamplingParams(temperature=1.0, max_tokens=200, seed=20 + i) for i in range(3)]
+    named = {"type": "function", "function": {"name": "add"}}
+    for choice in ("required", named):
+        outs = llm.chat(conv, params, tools=TOOLS, tool_choice=choice, use_tqdm=False)
+        for out in outs:
+            if choice == "required" and out.finish_reason == "length":
+                # "required" allows any number of calls, and random weights may keep calling: the calls that
+                # completed before the limit still follow their schemas.
+                calls = out.tool_calls[:-1]
+            else:
+                assert out.finish_reason == "tool_calls", out
+                calls = out.tool_calls
+                assert calls and (choice == "required" or len(calls) == 1)
+            for call in calls:
+                assert call.name in schemas and (choice == "required" or call.name == "add")
+                jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+        assert sum(o.finish_reason == "tool_calls" for o in outs) >= 2
+    with pytest.raises(ValueError, match="not among the tools"):
+        llm.chat(conv[0], tools=TOOLS, tool_choice={"type": "function", "function": {"name": "x"}})
+    with pytest.raises(ValueError, match="tool_choice='none' must be"):
+        llm.chat(conv[0], tools=TOOLS, tool_choice="none")
