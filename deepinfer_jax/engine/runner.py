@@ -102,6 +102,14 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return multihost_utils.process_allgather(x, tiled=True)
 
 
+def _tree_to_host(tree: Any) -> Any:
+    """:func:`_to_host` of every leaf; one ``jax.device_get`` for a fully addressable tree (its copies overlap)."""
+    leaves = jax.tree.leaves(tree)
+    if all(x.is_fully_addressable for x in leaves):
+        return jax.tree.map(np.asarray, jax.device_get(tree))
+    return jax.tree.map(_to_host, tree)
+
+
 @dataclasses.dataclass(frozen=True)
 class RunnerOptions:
     """How the loop runs (the config fields of the same names, docs/config.md).
@@ -172,7 +180,7 @@ class EngineRunner:
 
     def _process(self, plan: StepPlan, step: InFlight) -> list[RequestOutput]:
         out = step.out
-        host = jax.tree.map(_to_host, out._replace(logits=None, expert_counts=None))
+        host = _tree_to_host(out._replace(logits=None, expert_counts=None))
         finished = self.scheduler.process_outputs(
             plan,
             host.tokens,

@@ -185,47 +185,30 @@ class SamplingTensors(NamedTuple):
         masks: list[list[int]] = []
         biases: list[tuple[int, list[int], list[float]]] = []
         allows: list[tuple[int, list[int]]] = []
+        # Rows sharing one parameters object (a batch generated with one SamplingParams) are checked once.
+        checked: dict[int, tuple[Any, ...]] = {}
         for j, p in enumerate(params_list):
             i = int(where[j])
-            missing = [f for f in ROW_FIELDS if not hasattr(p, f)]
-            if missing:
-                raise TypeError(
-                    f"SamplingTensors.build: params_list[{i}] ({type(p).__name__}) lacks attribute(s) {missing}"
-                )
             field = f"params_list[{j}]"
-            temp = _real(f"{field}.temperature", p.temperature, lo=0.0)
-            if 0.0 < temp < _FLOAT32_TINY:
-                raise ValueError(
-                    f"SamplingTensors.build: {field}.temperature = {temp!r} is below float32's smallest normal "
-                    f"{_FLOAT32_TINY:.3g}; use 0 for greedy"
-                )
+            row = checked.get(id(p))
+            if row is None:
+                row = checked[id(p)] = _check_row(p, j, vocab)
+            temp, top_p, top_k, min_p, rep, pres, freq, min_tokens, stops = row
             out["temperature"][i] = temp
-            out["top_p"][i] = _real(f"{field}.top_p", p.top_p, lo=0.0, lo_open=True, hi=1.0)
-            k = _integer(f"{field}.top_k", p.top_k, lo=-1)
-            out["top_k"][i] = vocab if k <= 0 else min(k, vocab)
-            out["min_p"][i] = _real(f"{field}.min_p", p.min_p, lo=0.0, hi=1.0)
-            out["repetition_penalty"][i] = _real(
-                f"{field}.repetition_penalty", p.repetition_penalty, lo=0.0, lo_open=True
-            )
-            out["presence_penalty"][i] = _real(
-                f"{field}.presence_penalty", p.presence_penalty, lo=-2.0, hi=2.0
-            )
-            out["frequency_penalty"][i] = _real(
-                f"{field}.frequency_penalty", p.frequency_penalty, lo=-2.0, hi=2.0
-            )
+            out["top_p"][i] = top_p
+            out["top_k"][i] = top_k
+            out["min_p"][i] = min_p
+            out["repetition_penalty"][i] = rep
+            out["presence_penalty"][i] = pres
+            out["frequency_penalty"][i] = freq
             try:
                 out["seed"][i] = split_seed(seeds[j])
             except (TypeError, ValueError) as err:
                 raise type(err)(f"SamplingTensors.build: seeds[{j}]: {err}") from None
             out["position"][i] = pos[j]
-            min_tokens = _integer(f"{field}.min_tokens", p.min_tokens, lo=0)
-            if not isinstance(p.ignore_eos, bool | np.bool_):
-                raise TypeError(
-                    f"SamplingTensors.build: {field}.ignore_eos must be a bool, got {type(p.ignore_eos).__name__}"
-                )
             row_mask = set(banned)
             if outs[j] < min_tokens:
-                row_mask.update(_id_list(f"{field}.stop_token_ids", p.stop_token_ids or (), vocab))
+                row_mask.update(stops)
                 if not p.ignore_eos:
                     row_mask.update(eos)
             if outs[j] < getattr(p, "first_n_token_no_eos", 0):
@@ -242,7 +225,7 @@ class SamplingTensors(NamedTuple):
                 allows.append((i, _id_list(f"{field}.allowed_token_ids", allowed, vocab)))
             golden = getattr(p, "golden_token_ids", None)
             if golden is not None and outs[j] < len(golden):
-                token = _id_list(f"{field}.golden_token_ids", (golden[outs[j]],), vocab)[0]
+                token = _id_list(f"params_list[{j}].golden_token_ids", (golden[outs[j]],), vocab)[0]
                 out["golden"][i] = token
 
         needed = max((len(m) for m in masks), default=0)
@@ -291,6 +274,35 @@ class SamplingTensors(NamedTuple):
 def _width(needed: int) -> int:
     """0 for nothing, else the smallest power of two that holds ``needed`` entries."""
     return 0 if needed == 0 else 1 << (needed - 1).bit_length()
+
+
+def _check_row(p: Any, j: int, vocab: int) -> tuple[Any, ...]:
+    """Row ``j``'s checked parameters: the device values of its fields, ``min_tokens`` and its stop ids."""
+    missing = [f for f in ROW_FIELDS if not hasattr(p, f)]
+    if missing:
+        raise TypeError(
+            f"SamplingTensors.build: params_list[{j}] ({type(p).__name__}) lacks attribute(s) {missing}"
+        )
+    field = f"params_list[{j}]"
+    temp = _real(f"{field}.temperature", p.temperature, lo=0.0)
+    if 0.0 < temp < _FLOAT32_TINY:
+        raise ValueError(
+            f"SamplingTensors.build: {field}.temperature = {temp!r} is below float32's smallest normal "
+            f"{_FLOAT32_TINY:.3g}; use 0 for greedy"
+        )
+    top_p = _real(f"{field}.top_p", p.top_p, lo=0.0, lo_open=True, hi=1.0)
+    k = _integer(f"{field}.top_k", p.top_k, lo=-1)
+    min_p = _real(f"{field}.min_p", p.min_p, lo=0.0, hi=1.0)
+    rep = _real(f"{field}.repetition_penalty", p.repetition_penalty, lo=0.0, lo_open=True)
+    pres = _real(f"{field}.presence_penalty", p.presence_penalty, lo=-2.0, hi=2.0)
+    freq = _real(f"{field}.frequency_penalty", p.frequency_penalty, lo=-2.0, hi=2.0)
+    min_tokens = _integer(f"{field}.min_tokens", p.min_tokens, lo=0)
+    if not isinstance(p.ignore_eos, bool | np.bool_):
+        raise TypeError(
+            f"SamplingTensors.build: {field}.ignore_eos must be a bool, got {type(p.ignore_eos).__name__}"
+        )
+    stops = _id_list(f"{field}.stop_token_ids", p.stop_token_ids or (), vocab)
+    return temp, top_p, vocab if k <= 0 else min(k, vocab), min_p, rep, pres, freq, min_tokens, stops
 
 
 def _neutral(rows: int, vocab: int) -> dict[str, np.ndarray]:
