@@ -1,7 +1,7 @@
 """deepinfer_jax: a JAX/XLA inference engine for the DeepSeek model family.
 
 ``LLM``, ``AsyncLLM`` (online serving, docs/serving.md), ``SamplingParams``, ``RequestOutputKind``,
-``load_model`` and ``init_random`` are importable from here; they (and JAX) are
+``StructuredOutputsParams``, ``load_model`` and ``init_random`` are importable from here; they (and JAX) are
 loaded on first access, so ``import deepinfer_jax`` stays cheap for tools that only need the config or the
 tokenizer.
 """
@@ -19,6 +19,7 @@ _LAZY: dict[str, str] = {
     "AsyncLLM": "deepinfer_jax.engine.async_llm",
     "SamplingParams": "deepinfer_jax.engine.params",
     "RequestOutputKind": "deepinfer_jax.engine.params",
+    "StructuredOutputsParams": "deepinfer_jax.engine.structured",
     "load_model": "deepinfer_jax.checkpoint.model_loading",
     "init_random": "deepinfer_jax.checkpoint.model_loading",
 }
@@ -28,6 +29,7 @@ __all__ = [
     "AsyncLLM",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
     "init_random",
     "load_model",
@@ -41,3 +43,4 @@ if TYPE_CHECKING:
     from deepinfer_jax.engine.async_llm import AsyncLLM
     from deepinfer_jax.engine.llm import LLM
     from deepinfer_jax.engine.params import RequestOutputKind, SamplingParams
+    from deepinfer_jax.engine.structured import StructuredOutputsParams

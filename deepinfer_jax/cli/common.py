@@ -113,11 +113,14 @@ _SAMPLING_HELP: dict[str, str] = {
     "logit_bias": 'added to the logits of token ids, as a JSON object \'{"5": -100, "7": 2.5}\'',
     "allowed_token_ids": "sample only these token ids, as a JSON list or comma-separated ids",
     "bad_words": "a word that is never generated (repeatable)",
+    "thinking_token_budget": "after this many reasoning tokens the end of the reasoning (</think>) is forced",
 }
 # SamplingParams arguments the command line does not take, and why.
 _SAMPLING_SKIPPED = {
     "seq_seed": "an alias of seed (--seed)",
-    "so_args": "structured outputs are not built yet (SamplingParams refuses any value)",
+    "so_args": "DeepInfer's structured-output dict; the command line takes --json_schema / --regex / --choice / "
+    "--grammar / --json_object instead",
+    "structured_outputs": "given by --json_schema / --regex / --choice / --grammar / --json_object",
     "output_kind": "what AsyncLLM streams hold (deepinfer-jax serve chooses it per protocol); commands print final outputs",
 }
 

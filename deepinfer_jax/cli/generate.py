@@ -2,7 +2,8 @@
 completions.
 
 Prompts come from `--prompt` (repeatable) or `--prompt_ids` (comma-separated token ids, repeatable, for models
-without a tokenizer). A progress bar runs while the requests are generated, and a one-line summary (requests,
+without a tokenizer). `--json_schema FILE`, `--regex R`, `--choice a,b,c`, `--grammar FILE` (Lark-style EBNF) or
+`--json_object` constrain every completion (structured outputs; at most one of them). A progress bar runs while the requests are generated, and a one-line summary (requests,
 tokens, tokens/s, compile time) follows. Built-in models have random weights, so their text is noise; the
 command says so.
 """
@@ -25,6 +26,55 @@ def define_flags(fv: flags.FlagValues) -> None:
         "prompt_ids", [], "a prompt as comma-separated token ids (repeatable)", flag_values=fv
     )
     common.define_engine_flags(fv, max_tokens=16)
+    flags.DEFINE_string("json_schema", None, "constrain the output to this JSON schema file", flag_values=fv)
+    flags.DEFINE_string("regex", None, "constrain the output to this regular expression", flag_values=fv)
+    flags.DEFINE_list(
+        "choice", None, "constrain the output to one of these comma-separated strings", flag_values=fv
+    )
+    flags.DEFINE_string(
+        "grammar", None, "constrain the output to this Lark-style EBNF grammar file", flag_values=fv
+    )
+    flags.DEFINE_boolean("json_object", False, "constrain the output to any JSON value", flag_values=fv)
+
+
+def structured_outputs_from_flags(fv: flags.FlagValues):  # -> StructuredOutputsParams | None
+    """The ``StructuredOutputsParams`` the structured-output flags ask for (``None`` for none of them)."""
+    from deepinfer_jax.engine.structured import StructuredOutputsParams
+
+    given = [
+        name
+        for name, v in (
+            ("json_schema", fv.json_schema),
+            ("regex", fv.regex),
+            ("choice", fv.choice),
+            ("grammar", fv.grammar),
+            ("json_object", fv.json_object or None),
+        )
+        if v is not None
+    ]
+    if len(given) > 1:
+        raise ValueError(
+            f"give at most one of --json_schema, --regex, --choice, --grammar, --json_object; got {given}"
+        )
+    if not given:
+        return None
+
+    def read(flag: str, path: str) -> str:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except OSError as err:
+            raise ValueError(f"--{flag} {path!r}: {err.strerror}") from None
+
+    if fv.json_schema is not None:
+        return StructuredOutputsParams(json=read("json_schema", fv.json_schema))
+    if fv.grammar is not None:
+        return StructuredOutputsParams(grammar=read("grammar", fv.grammar))
+    if fv.regex is not None:
+        return StructuredOutputsParams(regex=fv.regex)
+    if fv.choice is not None:
+        return StructuredOutputsParams(choice=list(fv.choice))
+    return StructuredOutputsParams(json_object=True)
 
 
 def _parse_ids(items: list[str]) -> list[list[int]]:
@@ -74,6 +124,9 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
         # Every flag is checked before the model loads: the sampling flags here, the prompts, then the engine
         # settings inside LLM (which checks them before reading any weight).
         params = common.sampling_params_from_flags(fv)
+        structured = structured_outputs_from_flags(fv)
+        if structured is not None:
+            params = params.replace(structured_outputs=structured)
         prompt_ids = _parse_ids(list(fv.prompt_ids))
         common.resolve_model(fv.model)
         _check_prompt_ids(fv, prompt_ids, params)

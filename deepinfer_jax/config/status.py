@@ -91,7 +91,6 @@ def _without_expert_parallelism(cfg: EngineConfig) -> str | None:
 _SPEC = "speculative decoding in the engine (DSpark / MTP drafts and their verification)"
 _PREFIX = "prefix caching with window-state snapshots"
 _REPLAY = "SWA bounded replay (YOCO prefill truncation)"
-_GRAMMAR = "structured outputs (grammar-constrained decoding)"
 _BUCKETS = "the step buckets are fixed: 16 / 64 / 256 / the budget tokens against 8 / 32 / 128 / the budget sequences"
 
 FIELDS: dict[str, Setting] = {
@@ -201,10 +200,16 @@ FIELDS: dict[str, Setting] = {
     "sampling.compute_sum_smaller_probs": _honoured(
         "each reported Logprob carries sum_smaller_probs, the probability mass of the tokens ranked below it"
     ),
-    "sampling.grammar_compile_timeout_s": _not_built(_GRAMMAR),
-    "sampling.grammar_cache": _not_built(_GRAMMAR),
-    "sampling.grammar_cache_limit_bytes": _not_built(_GRAMMAR),
-    "sampling.grammar_threads": _not_built(_GRAMMAR),
+    "sampling.grammar_compile_timeout_s": _honoured(
+        "a structured-output request whose grammar is not compiled this many seconds after it was queued ends "
+        "alone with finish_reason='error'"
+    ),
+    "sampling.grammar_cache": _honoured("compiled grammars are kept, keyed by the grammar text"),
+    "sampling.grammar_cache_limit_bytes": _honoured(
+        "the grammar cache holds grammars whose texts total at most this many bytes, least recently used out "
+        "(<= 0: unbounded; llguidance does not report a compiled grammar's size)"
+    ),
+    "sampling.grammar_threads": _honoured("threads of the grammar compile pool"),
     # ------------------------------------------------------------------------------------------ ops
     "ops.backend": _honoured("the op backend of the step (docs/ops.md)"),
     "ops.overrides": _honoured("per-op backends"),

@@ -23,6 +23,7 @@ _LAZY: dict[str, str] = {
     "CompletionOutput": "deepinfer_jax.engine.params",
     "Logprob": "deepinfer_jax.engine.params",
     "RequestMetrics": "deepinfer_jax.engine.params",
+    "StructuredOutputsParams": "deepinfer_jax.engine.structured",
 }
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
@@ -50,3 +52,4 @@ if TYPE_CHECKING:
         RequestOutputKind,
         SamplingParams,
     )
+    from deepinfer_jax.engine.structured import StructuredOutputsParams

@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from absl import logging
 
 from deepinfer_jax.engine.params import CompletionOutput, SamplingParams
+from deepinfer_jax.engine.structured import StructuredOutputsParams
 from deepinfer_jax.text.chat import CHAT_VERSIONS, ChatEncoder, EncodedChat
 from deepinfer_jax.text.output_parser import ChatOutput
 from deepinfer_jax.text.tokenizer import DEEPSEEK_EOS_TOKEN, Tokenizer
@@ -232,6 +234,7 @@ def chat(
     chat_version: ChatVersion | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tool_choice: str | Mapping[str, Any] | None = None,
 ) -> list[ChatOutput]:
     """Run one conversation or a batch of them; returns one :class:`ChatOutput` per conversation, in order.
 
@@ -276,7 +279,112 @@ def chat(
             if e.token_ids[-len(opening) :] == opening:
                 e = dataclasses.replace(e, token_ids=e.token_ids[: -len(opening)])
         encoded.append(e)
+    tool_so = tool_call_constraint(tools, tool_choice, encoder.marker_ids.get("｜DSML｜"))
+    if tool_so is not None:
+        for index, p in enumerate(params):
+            if p.structured_outputs is not None:
+                raise ValueError(
+                    f"chat: sampling_params[{index}].structured_outputs and tool_choice={tool_choice!r} both "
+                    "constrain the reply; give one"
+                )
+        params = [p.replace(structured_outputs=tool_so) for p in params]
+    if thinking:
+        params = [_after_reasoning(p, encoder.marker_ids["</think>"]) for p in params]
     outputs = llm.generate(
         prompt_token_ids=[list(e.token_ids) for e in encoded], sampling_params=params, use_tqdm=use_tqdm
     )
-    return [parse_chat_output(e, out.outputs[0]) for e, out in zip(encoded, outputs, strict=True)]
+    return [
+        _with_parsed(parse_chat_output(e, out.outputs[0]), p)
+        for e, out, p in zip(encoded, outputs, params, strict=True)
+    ]
+
+
+def _lark(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def tool_call_constraint(
+    tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any, dsml_id: int | None
+) -> StructuredOutputsParams | None:
+    """The grammar of ``tool_choice``'s DSML tool-call block (``None`` when the reply stays free).
+
+    The block is the template's: ``<｜DSML｜tool_calls>``, then per call ``<｜DSML｜invoke name="...">`` with one
+    ``<｜DSML｜parameter name="..." string="true|false">`` per argument (string arguments as text without ``<``,
+    the others as compact JSON following their schema; a string's ``maxLength`` bounds it), in the schema's property order, required ones always and the
+    others optionally. ``"required"`` allows one or more calls of any given tool, a named function one call of it.
+    """
+    if tool_choice is None or tool_choice == "auto":
+        return None
+    if not tools:
+        raise ValueError(f"chat: tool_choice={tool_choice!r} needs tools")
+    if dsml_id is None:
+        raise ValueError("chat: tool_choice needs a tokenizer with the ｜DSML｜ marker")
+    by_name: dict[str, Mapping[str, Any]] = {}
+    for t in tools:
+        fn = t.get("function", t) if isinstance(t, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"chat: tool {t!r} has no function name")
+        by_name[fn["name"]] = fn.get("parameters") or {"type": "object", "properties": {}}
+    if tool_choice == "required":
+        names, many = list(by_name), True
+    elif isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+        if name not in by_name:
+            raise ValueError(
+                f"chat: tool_choice names function {name!r}, which is not among the tools {list(by_name)}"
+            )
+        names, many = [name], False
+    else:
+        raise ValueError(
+            f"chat: tool_choice={tool_choice!r} must be None, 'auto', 'required' or "
+            "{'type': 'function', 'function': {'name': ...}}"
+        )
+    d = "dsml"
+    rules = [
+        f'start: "\\n\\n<" {d} "tool_calls>\\n" {"calls+" if many else "calls"} "</" {d} "tool_calls>"',
+        f"{d}: <[{int(dsml_id)}]>",
+        "calls: " + " | ".join(f"call_{i}" for i in range(len(names))),
+    ]
+    for i, name in enumerate(names):
+        schema = by_name[name]
+        props = schema.get("properties") or {}
+        required = set(schema.get("required") or ())
+        parts = []
+        for j, (pname, pschema) in enumerate(props.items()):
+            is_str = isinstance(pschema, Mapping) and pschema.get("type") == "string"
+            head = f'"<" {d} ' + _lark(f'parameter name="{pname}" string="{"true" if is_str else "false"}">')
+            rules.append(f'param_{i}_{j}: {head} value_{i}_{j} "</" {d} ' + _lark("parameter>\n"))
+            if is_str:
+                most = pschema.get("maxLength")
+                rules.append(f"value_{i}_{j}: /[^<]{{0,{int(most)}}}/" if most else f"value_{i}_{j}: /[^<]*/")
+            else:
+                compact = {
+                    **pschema,
+                    "x-guidance": {"whitespace_flexible": False},
+                }  # JSON without free spaces
+                rules.append(f"value_{i}_{j}: %json " + json.dumps(compact))
+            parts.append(f"param_{i}_{j}" + ("" if pname in required else "?"))
+        invoke = _lark(f'invoke name="{name}">\n')
+        rules.append(f'call_{i}: "<" {d} {invoke} {" ".join(parts)} "</" {d} ' + _lark("invoke>\n"))
+    return StructuredOutputsParams(grammar="\n".join(rules))
+
+
+def _after_reasoning(params: SamplingParams, think_end: int) -> SamplingParams:
+    """In thinking mode a grammar applies to the answer: after the model's ``</think>`` id (a trigger on the
+    id, never on text), unless the request names its own trigger."""
+    so = params.structured_outputs
+    if so is None or so.trigger_token_ids is not None:
+        return params
+    return params.replace(structured_outputs=so.with_trigger((think_end,)))
+
+
+def _with_parsed(out: ChatOutput, params: SamplingParams) -> ChatOutput:
+    """``ChatOutput.parsed``: the JSON value of a JSON-constrained answer (``None`` if it does not parse)."""
+    so = params.structured_outputs
+    if so is None or so.kind not in ("json", "json_object"):
+        return out
+    try:
+        value = json.loads(out.content)
+    except ValueError:
+        return out
+    return dataclasses.replace(out, parsed=value)

@@ -35,6 +35,7 @@ from deepinfer_jax.config import load_config_with_sources
 from deepinfer_jax.config.status import check_settings, env_report, field_value
 from deepinfer_jax.engine import chat as _chat
 from deepinfer_jax.engine.buckets import step_buckets
+from deepinfer_jax.engine.grammar import GrammarCompiler
 from deepinfer_jax.engine.mesh_eplb import MeshExpertBalancer
 from deepinfer_jax.engine.params import RequestOutput, SamplingParams, derive_seed, validate_request
 from deepinfer_jax.engine.runner import EngineRunner, RunnerOptions, RunStats
@@ -528,6 +529,19 @@ class LLM:
             )
         self.max_model_len = max_model_len
         max_blocks = -(-(max_model_len - 1) // spec.block_size)
+        sampling = config.sampling
+        self.grammar_compiler: GrammarCompiler | None = None
+        """Compiles structured-output grammars off the step's path (``None`` without a tokenizer)."""
+        if self.tokenizer is not None:
+            self.grammar_compiler = GrammarCompiler(
+                self.tokenizer,
+                cfg.vocab_size,
+                self.eos_token_ids,
+                threads=sampling.grammar_threads,
+                timeout_s=sampling.grammar_compile_timeout_s,
+                cache=sampling.grammar_cache,
+                cache_limit_bytes=sampling.grammar_cache_limit_bytes,
+            )
         self.scheduler = Scheduler(
             num_devices=num_devices,
             num_blocks=spec.num_blocks,
@@ -543,6 +557,7 @@ class LLM:
             tokenizer=self.tokenizer,
             min_bucket_fill=config.scheduler.min_bucket_fill,
             banned_token_ids=config.sampling.banned_token_ids,
+            grammar_compiler=self.grammar_compiler,
         )
         self.last_stats: RunStats | None = None
         self.expert_balancer: MeshExpertBalancer | None = None
@@ -731,10 +746,17 @@ class LLM:
             arr = validate_request(
                 ids, p, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, index=i
             )
-            if (p.stop or p.bad_words) and self.tokenizer is None:
-                name = "stop" if p.stop else "bad_words"
+            if (p.stop or p.bad_words or p.structured_outputs) and self.tokenizer is None:
+                name = "stop" if p.stop else "bad_words" if p.bad_words else "structured_outputs"
                 raise ValueError(
                     f"request {i}: sampling_params.{name} needs a tokenizer; this model has none"
+                )
+            so = p.structured_outputs
+            needs_end = p.thinking_token_budget is not None and (so is None or so.trigger_token_ids is None)
+            if needs_end and (self.tokenizer is None or self.tokenizer.token_to_id("</think>") is None):
+                raise ValueError(
+                    f"request {i}: sampling_params.thinking_token_budget needs the end of the reasoning: a "
+                    "tokenizer with a </think> token, or structured_outputs.trigger_token_ids"
                 )
             if p.n > self.scheduler.devices[0].max_num_seqs:
                 raise ValueError(
@@ -801,6 +823,8 @@ class LLM:
             return
         self._closed = True
         self.scheduler.abort_all()
+        if self.grammar_compiler is not None:
+            self.grammar_compiler.close()
         self.executor.release()
         for leaf in jax.tree.leaves((self.executor.params, self.model.params)):
             if isinstance(leaf, jax.Array) and not leaf.is_deleted():
@@ -835,6 +859,7 @@ class LLM:
         chat_version: _chat.ChatVersion | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tool_choice: str | Mapping[str, Any] | None = None,
     ) -> list[ChatOutput]:
         """Answer one conversation (a list of OpenAI-style message dicts) or a list of conversations.
 
@@ -845,8 +870,11 @@ class LLM:
         As in vLLM, ``add_generation_prompt=False`` ends the prompt after the last message (no
         ``<｜Assistant｜>`` opening), and ``continue_final_message=True`` (with ``add_generation_prompt=False``)
         continues the last message, which must be the assistant's. Each output also carries the prompt ids, the
-        generated ids and, when ``logprobs`` was asked for, their logprobs. Bad input raises before anything
-        runs. See :mod:`deepinfer_jax.engine.chat`.
+        generated ids and, when ``logprobs`` was asked for, their logprobs.
+        ``tool_choice`` (with ``tools``): ``None`` / ``"auto"`` leaves the reply free; ``"required"`` constrains it
+        to one or more DSML tool calls of the given tools, ``{"type": "function", "function": {"name": ...}}`` to
+        one call of that tool, their parameters following the tools' schemas (docs/structured_outputs.md).
+        Bad input raises before anything runs. See :mod:`deepinfer_jax.engine.chat`.
         """
         return _chat.chat(
             self,
@@ -859,6 +887,7 @@ class LLM:
             chat_version=chat_version,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tool_choice=tool_choice,
         )
 
     def __repr__(self) -> str:

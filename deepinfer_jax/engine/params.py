@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from deepinfer_jax.engine.structured import StructuredOutputsParams, from_so_args
+
 __all__ = [
     "MAX_LOGPROBS",
     "CompletionOutput",
@@ -179,7 +181,13 @@ class SamplingParams:
                                         list lasts) and its logprob is reported; ids inside the vocabulary
     ``first_n_token_no_eos``    0       >= 0: EOS cannot be sampled as one of the first n output tokens
     ``seq_seed`` (``seed``)     None    [0, 2**64); None = derived from ``LLM(seed=)`` and the request index
-    ``so_args``                 None    structured outputs arrive in a later release: must be None
+    ``so_args``                 None    DeepInfer's structured-output dict (``schema_type``, ``schema``,
+                                        ``trigger_token_ids``, ``bound_token_id``); stored as
+                                        ``structured_outputs``
+    ``structured_outputs``      None    a :class:`~deepinfer_jax.engine.structured.StructuredOutputsParams`
+                                        (vLLM's shape); not together with ``so_args``
+    ``thinking_token_budget``   None    >= 0: after this many reasoning tokens the end of the reasoning
+                                        (``</think>``, or the structured-output trigger) is forced
     ``output_kind``             CUMUL.  a :class:`RequestOutputKind`: what an ``AsyncLLM`` stream's outputs hold
     ==========================  ======  =======================================================================
 
@@ -206,6 +214,8 @@ class SamplingParams:
     seq_seed: int | None
     so_args: None
     output_kind: RequestOutputKind
+    structured_outputs: StructuredOutputsParams | None
+    thinking_token_budget: int | None
     n: int
     include_stop_str_in_output: bool
     skip_special_tokens: bool
@@ -247,6 +257,8 @@ class SamplingParams:
         logit_bias: Mapping[int, float] | None = None,
         allowed_token_ids: Sequence[int] | None = None,
         bad_words: Sequence[str] | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
+        thinking_token_budget: int | None = None,
         **removed: Any,
     ) -> None:
         for name in removed:
@@ -312,15 +324,27 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.first_n_token_no_eos = {nf} must be >= 0")
         values["first_n_token_no_eos"] = nf
         values["seq_seed"] = _seed(seq_seed, seed)
-        if so_args is not None:
-            if not isinstance(so_args, Mapping):
-                raise TypeError(
-                    f"SamplingParams.so_args must be a dict or None, got {type(so_args).__name__}"
-                )
-            raise ValueError(
-                "SamplingParams.so_args: structured outputs are not supported yet (they arrive in a later "
-                "release); pass so_args=None"
+        if structured_outputs is not None and not isinstance(structured_outputs, StructuredOutputsParams):
+            raise TypeError(
+                "SamplingParams.structured_outputs must be a StructuredOutputsParams or None, got "
+                f"{type(structured_outputs).__name__}"
             )
+        if so_args is not None:
+            if structured_outputs is not None:
+                raise ValueError(
+                    "SamplingParams: so_args and structured_outputs both given; give one (so_args is DeepInfer's "
+                    "spelling of structured_outputs)"
+                )
+            structured_outputs = from_so_args(so_args)
+        values["structured_outputs"] = structured_outputs
+        if thinking_token_budget is not None:
+            budget = _int("thinking_token_budget", thinking_token_budget)
+            if not 0 <= budget <= _MAX_INT32:
+                raise ValueError(
+                    f"SamplingParams.thinking_token_budget = {budget} must be None or in [0, {_MAX_INT32}]"
+                )
+            thinking_token_budget = budget
+        values["thinking_token_budget"] = thinking_token_budget
         values["so_args"] = None
         if not isinstance(output_kind, RequestOutputKind):
             raise TypeError(
@@ -556,6 +580,19 @@ def validate_request(
                 raise ValueError(
                     f"{where}sampling_params.{name}[{i}] = {token} is outside the vocabulary [0, {vocab_size})"
                 )
+    so = params.structured_outputs
+    if so is not None:
+        for i, token in enumerate(so.trigger_token_ids or ()):
+            if token >= vocab_size:
+                raise ValueError(
+                    f"{where}sampling_params.structured_outputs.trigger_token_ids[{i}] = {token} is outside the "
+                    f"vocabulary [0, {vocab_size})"
+                )
+        if so.bound_token_id is not None and so.bound_token_id >= vocab_size:
+            raise ValueError(
+                f"{where}sampling_params.structured_outputs.bound_token_id = {so.bound_token_id} is outside the "
+                f"vocabulary [0, {vocab_size})"
+            )
     for token, _ in params.logit_bias or ():
         if token >= vocab_size:
             raise ValueError(

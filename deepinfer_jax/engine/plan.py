@@ -23,11 +23,13 @@ given explicitly.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from deepinfer_jax.engine.grammar import fill_masks
 from deepinfer_jax.sampling.tensors import SamplingTensors
 
 __all__ = [
@@ -292,12 +294,14 @@ class StepPlan:
       num_prompt_logprobs: the compiled width covering every row's ``prompt_logprobs``; ``-1`` when
         ``inputs.prompt_targets`` is ``None`` (the step computes no prompt logprobs).
       batches: each device's :class:`DeviceBatch`, ``None`` for a device that runs a placeholder.
+      mask_seconds: host time spent filling the grammar masks of this plan (structured outputs).
     """
 
     inputs: StepInputs
     num_logprobs: int
     num_prompt_logprobs: int
     batches: tuple[DeviceBatch | None, ...]
+    mask_seconds: float = 0.0
 
     @property
     def num_devices(self) -> int:
@@ -325,7 +329,7 @@ class StepPlan:
     @property
     def variant(self) -> tuple[int, ...]:
         """The key of the compiled step this plan needs: ``(T, S, mask width, num_logprobs, prompt width,
-        logit-bias width, allowed-ids width)``."""
+        logit-bias width, allowed-ids width, grammar-mask width, cache-copy widths)``."""
         st = self.inputs.sampling
         return (
             self.padded_tokens,
@@ -335,6 +339,7 @@ class StepPlan:
             self.num_prompt_logprobs,
             int(st.bias_ids.shape[2]),
             int(st.allowed_ids.shape[2]),
+            int(st.token_bitmask.shape[2]),
             *(
                 (-1, -1)
                 if self.inputs.copies is None
@@ -430,6 +435,7 @@ def build_plan(
     prompt_lens = np.zeros((d, s), np.int32)
     targets: np.ndarray | None = None
     params, seeds, sample_pos, output_lens, row_index, extra = [], [], [], [], [], []
+    grammars: list[tuple[int, Any]] = []  # (row, the request's RequestGrammar) of sampled constrained rows
     wanted = prompt_wanted = 0
     for dev, batch in enumerate(batches):
         if batch is None:
@@ -460,6 +466,9 @@ def build_plan(
             output_lens.append(max(context - prompt_len, 0))
             row_index.append(dev * s + i)
             extra.append(_bad_word_completions(req) if row.sample else ())
+            grammar = getattr(req, "grammar", None)
+            if row.sample and grammar is not None:
+                grammars.append((dev * s + i, grammar))
             wanted = max(wanted, p.logprobs or 0)
             if p.prompt_logprobs is not None:
                 inside = pos + 1 < prompt_len
@@ -471,6 +480,12 @@ def build_plan(
                     prompt_wanted = max(prompt_wanted, p.prompt_logprobs)
             offset = end
         query_start[dev, len(batch.rows) :] = offset
+    bitmask = None
+    mask_start = time.perf_counter()
+    if any(g.constrains() for _, g in grammars):
+        # Filled on the host while the previous step runs on the device; unconstrained rows stay all ones.
+        bitmask = np.full((d * s, (vocab_size + 31) // 32), -1, np.int32)
+        fill_masks(grammars, bitmask)
     flat = SamplingTensors.build(
         params,
         seeds,
@@ -482,6 +497,7 @@ def build_plan(
         num_rows=d * s,
         row_index=row_index,
         extra_masked_ids=extra,
+        token_bitmask=bitmask,
     )
     sampling = flat.reshape_rows(d, s)
     copies = None
@@ -517,4 +533,5 @@ def build_plan(
         logprob_variant(wanted),
         -1 if targets is None else logprob_variant(prompt_wanted),
         tuple(batches),
+        time.perf_counter() - mask_start if bitmask is not None else 0.0,
     )

@@ -281,7 +281,11 @@ class EngineRunner:
                     take(self._process(*in_flight.popleft()))
                 elif plan is None:
                     take(self.scheduler.take_ready_outputs())
-                    if not in_flight and self.scheduler.has_unfinished_requests():
+                    if (
+                        not in_flight
+                        and self.scheduler.has_unfinished_requests()
+                        and not getattr(self.scheduler, "num_compiling", 0)
+                    ):
                         raise RuntimeError(
                             "the scheduler has unfinished requests but can schedule nothing and has nothing in "
                             "flight"

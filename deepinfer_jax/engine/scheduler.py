@@ -45,6 +45,7 @@ the request's cache before the cache was released.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import enum
 import time
@@ -54,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from deepinfer_jax.cache.blocks import BlockAllocator, StateSlotManager, blocks_for_tokens
+from deepinfer_jax.engine.grammar import GrammarCompiler, RequestGrammar, bitmask_words
 from deepinfer_jax.engine.params import (
     CompletionOutput,
     FinishReason,
@@ -137,6 +139,11 @@ class Request:
         self.children: list[Request] | None = None
         self.reserved_blocks: list[int] = []
         self.reserved_slots: list[int] = []
+        # Structured outputs: the constraint (engine/grammar.py) once its grammar is compiled.
+        self.grammar: RequestGrammar | None = None
+        self.grammar_future: concurrent.futures.Future[Any] | None = None
+        self.grammar_deadline = 0.0
+        self.think_end: tuple[int, ...] | None = None
 
     @property
     def is_group(self) -> bool:
@@ -162,7 +169,7 @@ class Request:
     def needs_host_tokens(self) -> bool:
         """Its next step's masks depend on the tokens generated so far (a bad word of several tokens), so it is
         scheduled only once its previous token has reached the host."""
-        return any(len(w) > 1 for w in self.bad_words_ids)
+        return self.grammar is not None or any(len(w) > 1 for w in self.bad_words_ids)
 
     @property
     def prompt_len(self) -> int:
@@ -281,6 +288,10 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_wasted_samples: int = 0
     """Samples discarded because their request had stopped after the step was scheduled."""
+    num_masked_steps: int = 0
+    """Steps with a grammar-constrained row (structured outputs; counted on device 0's stats)."""
+    mask_seconds: float = 0.0
+    """Host time spent filling grammar masks (counted on device 0's stats)."""
 
 
 def _priority(req: Request) -> tuple[int, int]:
@@ -339,7 +350,9 @@ class DeviceScheduler:
         stream: bool = False,
         clock: Callable[[], float] = time.monotonic,
         min_bucket_fill: float = 0.5,
+        grammar_compiler: GrammarCompiler | None = None,
     ) -> None:
+        self.grammar_compiler = grammar_compiler
         self.block_size = _positive("block_size", block_size)
         self.max_num_seqs = _positive("max_num_seqs", max_num_seqs)
         self.max_num_batched_tokens = _positive("max_num_batched_tokens", max_num_batched_tokens)
@@ -384,6 +397,7 @@ class DeviceScheduler:
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []
         self._ready: list[RequestOutput] = []
+        self._compiling: list[Request] = []  # structured-output requests whose grammar is not compiled yet
         self._in_flight: dict[DeviceBatch, None] = {}
         self._block_copies: list[tuple[int, int]] = []  # forks' copies, made by the next step
         self._slot_copies: list[tuple[int, int]] = []
@@ -460,6 +474,33 @@ class DeviceScheduler:
         )
         if params.bad_words:
             req.bad_words_ids = self._bad_words_ids(params.bad_words)
+        so = params.structured_outputs
+        think_end = None
+        if params.thinking_token_budget is not None and (so is None or so.trigger_token_ids is None):
+            end = None if self.tokenizer is None else self.tokenizer.token_to_id("</think>")
+            if end is None:
+                raise ValueError(
+                    "sampling_params.thinking_token_budget needs the end of the reasoning: a tokenizer with a "
+                    "</think> token, or structured_outputs.trigger_token_ids"
+                )
+            think_end = (end,)
+        if so is not None:
+            if self.grammar_compiler is None:
+                raise ValueError(
+                    "sampling_params.structured_outputs needs a grammar compiler (an engine with a tokenizer)"
+                )
+            req.grammar_future = self.grammar_compiler.submit(so.grammar_text())
+            req.grammar_deadline = time.monotonic() + self.grammar_compiler.timeout_s
+            req.think_end = think_end
+        elif params.thinking_token_budget is not None:
+            req.grammar = RequestGrammar.for_params(
+                None,
+                None,
+                bitmask_words(self.vocab_size),
+                budget=params.thinking_token_budget,
+                think_end=think_end,
+                eos=self.eos_token_ids,
+            )
         self._order += 1
         # The longest context ever cached: the last token sampled never enters the cache.
         most_blocks = blocks_for_tokens(req.max_total_len - 1, self.block_size)
@@ -494,7 +535,10 @@ class DeviceScheduler:
             self._ready.append(req.to_output(final=True))
             return
         self._requests[request_id] = req
-        self._waiting.append(req)
+        if req.grammar_future is not None:
+            self._compiling.append(req)
+        else:
+            self._waiting.append(req)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End an unfinished request now, with ``finish_reason="abort"``; returns its final output (``None`` when
@@ -524,6 +568,7 @@ class DeviceScheduler:
         self._waiting.clear()
         self._running.clear()
         self._ready.clear()
+        self._compiling.clear()
         self._in_flight.clear()
         self._block_copies.clear()
         self._slot_copies.clear()
@@ -559,7 +604,7 @@ class DeviceScheduler:
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued or running, or a finished one has not been reported yet."""
-        return bool(self._waiting or self._running or self._ready)
+        return bool(self._waiting or self._running or self._ready or self._compiling)
 
     @property
     def num_waiting(self) -> int:
@@ -576,9 +621,64 @@ class DeviceScheduler:
 
     # ------------------------------------------------------------------------------------------- schedule
 
+    @property
+    def num_compiling(self) -> int:
+        """Structured-output requests waiting for their grammar."""
+        return len(self._compiling)
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar is compiled (in arrival order); end alone those whose compile failed
+        or ran past the timeout. Never blocks."""
+        if not self._compiling:
+            return
+        now = time.monotonic()
+        still: list[Request] = []
+        for req in self._compiling:
+            future = req.grammar_future
+            assert future is not None
+            if future.done():
+                err = future.exception()
+                if err is None:
+                    so = req.params.structured_outputs
+                    req.grammar = RequestGrammar.for_params(
+                        so,
+                        future.result(),
+                        bitmask_words(self.vocab_size),
+                        budget=req.params.thinking_token_budget,
+                        think_end=req.think_end,
+                        eos=self.eos_token_ids,
+                    )
+                    req.grammar_future = None
+                    self._waiting.append(req)
+                    continue
+                problem = f"its grammar does not compile: {err}"
+            elif now >= req.grammar_deadline:
+                problem = (
+                    f"its grammar did not compile within sampling.grammar_compile_timeout_s = "
+                    f"{self.grammar_compiler.timeout_s if self.grammar_compiler else 0:g} s"
+                )
+            else:
+                still.append(req)
+                continue
+            req.grammar_future = None
+            self._finish(req, "error", error=f"request {req.request_id!r}: {problem}")
+            self._ready.append(req.to_output(final=True))
+        self._compiling = still
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Block until a pending grammar compile finishes, its deadline passes, or ``timeout`` seconds (for a
+        loop with nothing else to do)."""
+        if not self._compiling:
+            return
+        first = min(r.grammar_deadline for r in self._compiling)
+        wait = max(0.0, min(timeout, first - time.monotonic()))
+        futures = [r.grammar_future for r in self._compiling if r.grammar_future is not None]
+        concurrent.futures.wait(futures, timeout=wait, return_when=concurrent.futures.FIRST_COMPLETED)
+
     def schedule(self) -> DeviceBatch | None:
         """This device's rows of the next step, or ``None`` when nothing can run now (everything waits for
-        in-flight tokens, or there is no work)."""
+        in-flight tokens or a grammar compile, or there is no work)."""
+        self._admit_compiled()
         for req in list(self._running):
             if req.unforked and req.num_computed == req.feed_len:
                 self._fork(req)
@@ -647,6 +747,7 @@ class DeviceScheduler:
             )
             child.parent, child.index = parent, i
             child.bad_words_ids = parent.bad_words_ids
+            child.grammar = None if parent.grammar is None else parent.grammar.fork()
             child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
             child.status = RequestStatus.RUNNING
             child.num_computed = m
@@ -906,6 +1007,11 @@ class DeviceScheduler:
             req.metrics.first_token_time = now
         if req.logprobs is not None:
             req.logprobs.append(self._logprob_entry(req, token, row, arrays))
+        if req.grammar is not None:
+            problem = req.grammar.accept(token)
+            if problem is not None:
+                self._finish(req, "error", error=f"request {req.request_id!r}: {problem}")
+                return
         stops_allowed = n >= params.min_tokens
         if stops_allowed and not params.ignore_eos and token in self.eos_token_ids:
             self._finish(req, "stop")
@@ -1030,6 +1136,8 @@ class DeviceScheduler:
             self._running.remove(req)
         elif req in self._waiting:
             self._waiting.remove(req)
+        elif req in self._compiling:
+            self._compiling.remove(req)
         self._requests.pop(req.request_id, None)
         for child in req.children or ():
             if child.status is not RequestStatus.FINISHED:
@@ -1195,6 +1303,11 @@ class Scheduler:
         return max(s.num_in_flight for s in self.devices)
 
     @property
+    def num_compiling(self) -> int:
+        """Structured-output requests waiting for their grammar, on every device."""
+        return sum(s.num_compiling for s in self.devices)
+
+    @property
     def stats(self) -> SchedulerStats:
         """Every device's counters summed (``num_steps`` counts device batches)."""
         total = SchedulerStats()
@@ -1210,6 +1323,16 @@ class Scheduler:
         device can run anything now."""
         self._loads = None  # scheduling changes what the requests hold (in-flight samples)
         batches = tuple(s.schedule() for s in self.devices)
+        while (
+            all(b is None for b in batches)
+            and not any(s.num_in_flight for s in self.devices)
+            and any(s.num_compiling for s in self.devices)
+            and not any(s._ready for s in self.devices)
+        ):
+            # Nothing runs and nothing is in flight: wait (off the device's path) for a grammar to compile.
+            for s in self.devices:
+                s.wait_for_grammars(0.05)
+            batches = tuple(s.schedule() for s in self.devices)
         if all(b is None for b in batches):
             return None
         plan = build_plan(
@@ -1220,6 +1343,9 @@ class Scheduler:
             eos_token_ids=self.eos_token_ids,
             banned_token_ids=self.banned_token_ids,
         )
+        if plan.mask_seconds:
+            self.devices[0].stats.num_masked_steps += 1
+            self.devices[0].stats.mask_seconds += plan.mask_seconds
         for s, b in zip(self.devices, batches, strict=True):
             s.stats.num_padding_tokens += plan.padded_tokens - (0 if b is None else b.num_tokens)
         return plan

@@ -8,7 +8,8 @@ Per row, in float32, in this order:
    (``- f · output count``) and presence (``- p · [count > 0]``), both over the output only;
 2. **masks**: the row's ``masked_ids`` (banned ids; EOS and stop ids before ``min_tokens``; EOS before
    ``first_n_token_no_eos``; the step's ``bad_words`` completions) become -inf, and so does every id outside a
-   row's ``allowed_token_ids``; with ``force_top_k = k > 0`` (an engine setting) every id outside the
+   row's ``allowed_token_ids`` and every id the row's grammar bitmask (structured outputs) does not allow; with
+   ``force_top_k = k > 0`` (an engine setting) every id outside the
    row's top k (ties by ascending id) too;
 3. **greedy** rows (temperature 0) take the exact argmax here, lowest id on ties, and use no random number;
 4. a row with a **golden** token (teacher forcing) emits it whatever was drawn;
@@ -261,6 +262,11 @@ def _sample_row(
         ids = jnp.where(row.allowed_ids >= 0, row.allowed_ids, vocab)
         allowed = jnp.zeros((vocab,), jnp.bool_).at[ids].set(True, mode="drop")
         x = jnp.where((row.allowed_ids[0] < 0) | allowed, x, _NEG_INF)
+    if row.token_bitmask.shape[-1]:
+        # Grammar mask (structured outputs): bit t % 32 of word t // 32 allows token t.
+        ids = jnp.arange(vocab, dtype=jnp.int32)
+        bits = (row.token_bitmask[ids // 32] >> (ids % 32)) & 1
+        x = jnp.where(bits != 0, x, _NEG_INF)
     if force_top_k:
         x = _force_top_k(x, min(force_top_k, x.shape[-1]))
     ok = ~jnp.any(jnp.isnan(raw)) & ~jnp.any(raw == jnp.inf) & jnp.any(jnp.isfinite(x))

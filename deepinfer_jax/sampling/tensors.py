@@ -18,6 +18,10 @@ varying stop lists cost at most a handful of compiled variants. The ids a caller
 
 ``logit_bias`` (``{id: bias}``) and ``allowed_token_ids`` travel the same way, as padded ``[S, K]`` lists whose
 width is a power of two (0 when no row of the step uses them, so steps without them pay nothing).
+
+Grammar masks (structured outputs) are a packed token bitmask ``[S, W]``, ``W = ceil(V / 32)`` int32 words,
+token ``t`` allowed iff bit ``t % 32`` of word ``t // 32`` is set; ``W = 0`` when no row of the step is
+constrained, and an unconstrained row of a constrained step is all ones.
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ class SamplingTensors(NamedTuple):
         unused entry (``Kb = 0`` when no row has a bias).
       allowed_ids: int32 ``[S, Ka]`` ``allowed_token_ids``: a row whose first entry is >= 0 may only produce
         these ids; -1 = unused entry (``Ka = 0`` when no row restricts).
+      token_bitmask: int32 ``[S, W]`` grammar masks (``W = 0`` when no row is constrained; all ones = free).
     """
 
     temperature: Any
@@ -104,6 +109,7 @@ class SamplingTensors(NamedTuple):
     bias_ids: Any
     bias_values: Any
     allowed_ids: Any
+    token_bitmask: Any
 
     @property
     def num_rows(self) -> int:
@@ -129,6 +135,7 @@ class SamplingTensors(NamedTuple):
         mask_width: int | None = None,
         row_index: Sequence[int] | None = None,
         extra_masked_ids: Sequence[Sequence[int]] | None = None,
+        token_bitmask: np.ndarray | None = None,
     ) -> SamplingTensors:
         """Convert the parameters of the rows sampled in one step to padded numpy arrays.
 
@@ -146,6 +153,8 @@ class SamplingTensors(NamedTuple):
           row_index: the row of each entry of ``params_list`` among the ``num_rows`` (distinct, in
             ``[0, num_rows)``); default the first ``len(params_list)`` rows. The other rows are padding.
           extra_masked_ids: per entry of ``params_list``, more ids to mask in this step only (``bad_words``).
+          token_bitmask: int32 ``[num_rows, ceil(V / 32)]`` grammar masks by row (not by entry), or ``None``
+            for a step without a constrained row.
 
         Raises:
           TypeError / ValueError: a malformed argument, or a parameter outside its range; the message names the
@@ -242,8 +251,23 @@ class SamplingTensors(NamedTuple):
         allowed_ids = np.full((rows, ka), -1, np.int32)
         for i, ids in allows:
             allowed_ids[i, : len(ids)] = ids
+        if token_bitmask is None:
+            bitmask = np.zeros((rows, 0), np.int32)
+        else:
+            bitmask = np.asarray(token_bitmask)
+            words = (vocab + 31) // 32
+            if bitmask.dtype != np.int32 or bitmask.shape != (rows, words):
+                raise ValueError(
+                    f"SamplingTensors.build: token_bitmask must be int32 [{rows}, {words}], got "
+                    f"{bitmask.dtype} {bitmask.shape}"
+                )
         return cls(
-            masked_ids=masked, bias_ids=bias_ids, bias_values=bias_values, allowed_ids=allowed_ids, **out
+            masked_ids=masked,
+            bias_ids=bias_ids,
+            bias_values=bias_values,
+            allowed_ids=allowed_ids,
+            token_bitmask=bitmask,
+            **out,
         )
 
 

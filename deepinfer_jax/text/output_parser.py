@@ -128,9 +128,10 @@ class ChatOutput:
     ``reasoning_content`` is None when thinking mode was off. ``finish_reason`` is the protocol's reason
     (``"stop"``, ``"length"``, ``"tool_calls"``, ``"content_filter"``). ``usage`` holds ``prompt_tokens``,
     ``completion_tokens`` (every generated id, markers and EOS included) and ``reasoning_tokens`` (the ids before
-    the ``</think>`` id, in thinking mode). ``LLM.chat`` also fills ``prompt_token_ids`` (the encoded
-    conversation), ``token_ids`` (every generated id) and ``logprobs`` (the completion's, when
-    ``SamplingParams.logprobs`` asked for them; else ``None``).
+    the ``</think>`` id, in thinking mode). ``parsed`` is ``json.loads(content)`` when the request was constrained
+    to JSON (a schema or ``json_object``) and the content parses, else ``None``. ``LLM.chat`` also fills
+    ``prompt_token_ids`` (the encoded conversation), ``token_ids`` (every generated id) and ``logprobs`` (the
+    completion's, when ``SamplingParams.logprobs`` asked for them; else ``None``).
     """
 
     reasoning_content: str | None
@@ -141,6 +142,7 @@ class ChatOutput:
     prompt_token_ids: tuple[int, ...] = ()
     token_ids: tuple[int, ...] = ()
     logprobs: Any = None
+    parsed: Any = None
 
 
 class ChatOutputParser:

@@ -157,3 +157,28 @@ def test_generate_cli_on_a_mesh_with_eplb(capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "= 16 devices, but only 8 cpu device(s)" in err
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=16" in err
+
+
+def test_generate_cli_structured_outputs(capsys, tmp_path):
+    import ast
+    import json
+    import re
+
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"enum": ["on", "off"]}))
+    args = ["deepinfer-jax", "generate", "--model=tiny-v3", "--prompt=x", "--max_tokens=12", "--noprogress"]
+    rc = cli.main([*args, "--regex=[0-9]{3}", *ENGINE])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    text = ast.literal_eval(re.search(r"output \(stop\): ('.*?') ids=", out).group(1))
+    assert re.fullmatch("[0-9]{3}", text)
+    rc = cli.main([*args, f"--json_schema={schema}", *ENGINE])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert re.search(r"output \(stop\): '\"(on|off)\"'", out), out
+    rc = cli.main([*args, "--regex=a", "--choice=a,b", *ENGINE])
+    assert rc == 2 and "at most one of" in capsys.readouterr().err
+    rc = cli.main([*args, "--regex=(a", *ENGINE])
+    assert rc == 2 and "not a valid regex" in capsys.readouterr().err
+    rc = cli.main([*args, f"--grammar={tmp_path / 'missing.lark'}", *ENGINE])
+    assert rc == 2 and "missing.lark" in capsys.readouterr().err

@@ -81,7 +81,9 @@ def test_defaults_match_the_issue_table() -> None:
         ({"seed": 2**64}, ValueError, ["seed", str(2**64), "2**64"]),
         ({"seq_seed": 1.5}, TypeError, ["seq_seed", "float"]),
         ({"seed": 1, "seq_seed": 2}, ValueError, ["seed = 1", "seq_seed = 2", "alias"]),
-        ({"so_args": {"json": {}}}, ValueError, ["so_args", "structured outputs", "later"]),
+        ({"so_args": {"json": {}}}, ValueError, ["so_args", "unknown key", "json"]),
+        ({"thinking_token_budget": -1}, ValueError, ["thinking_token_budget", "-1"]),
+        ({"structured_outputs": {"json": {}}}, TypeError, ["structured_outputs", "StructuredOutputsParams"]),
         ({"so_args": "json"}, TypeError, ["so_args", "str"]),
     ],
 )

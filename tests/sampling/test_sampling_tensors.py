@@ -56,6 +56,7 @@ def test_values_padding_and_normalisation():
         "bias_ids": np.int32,
         "bias_values": np.float32,
         "allowed_ids": np.int32,
+        "token_bitmask": np.int32,
     }
     # No row sets logit_bias / allowed_token_ids: both tables have width 0 (the step's variant has no extra work).
     assert st.bias_ids.shape == st.bias_values.shape == st.allowed_ids.shape == (6, 0)
@@ -93,10 +94,21 @@ def test_the_engines_sampling_params_are_accepted():
 def test_is_a_pytree_that_moves_to_the_device():
     st = SamplingTensors.build([Row()], [3], [4], V, num_rows=2)
     leaves = jax.tree.leaves(st)
-    assert len(leaves) == len(st._fields) == 14
+    assert len(leaves) == len(st._fields) == 15
+    assert st.token_bitmask.shape == (2, 0)  # no constrained row: a zero-width mask, no cost
     on_device = jax.device_put(st)
     assert isinstance(on_device, SamplingTensors) and isinstance(on_device.seed, jax.Array)
     assert on_device.num_rows == 2
+
+
+def test_token_bitmask_is_checked():
+    words = (V + 31) // 32
+    st = SamplingTensors.build(
+        [Row()], [3], [4], V, num_rows=2, token_bitmask=np.full((2, words), -1, np.int32)
+    )
+    assert st.token_bitmask.shape == (2, words)
+    with pytest.raises(ValueError, match=r"token_bitmask must be int32 \[2, " + str(words)):
+        SamplingTensors.build([Row()], [3], [4], V, num_rows=2, token_bitmask=np.zeros((2, 1), np.int32))
 
 
 def test_empty_step_with_only_padding():
