@@ -12,7 +12,8 @@
   beside ``<phase>.json`` (step, settings, the loss history). A run finds its checkpoint and continues from its
   step; a checkpoint written with other settings is refused.
 * **Validation.** Every ``eval_every`` steps (and at the end) the mean loss over fixed, evenly spaced windows of
-  the held-out split.
+  the held-out split, with the mean wall and CPU seconds per step since the last one (the first step of a run,
+  which compiles, is recorded apart as ``first_step_s``) and the 1-minute load average.
 
 Everything runs in float32 on whatever backend JAX has (the CPU here); the step is one ``jax.jit`` program.
 """
@@ -194,7 +195,7 @@ def _grouped_clip(
     out = dict(grads)
     for label in sorted(set(groups.values())):
         names = [n for n in grads if groups[n] == label]
-        norm = optax.global_norm([grads[n] for n in names])
+        norm = optax.tree.norm([grads[n] for n in names])
         scale = jnp.minimum(1.0, limit / jnp.maximum(norm, 1e-12))
         for n in names:
             out[n] = grads[n] * scale
@@ -262,7 +263,7 @@ def train_phase(
         (loss, aux), grads = jax.value_and_grad(
             lambda t: loss_fn(t, state["biases"], fixed_j, batch, step), has_aux=True
         )(state["trainable"])
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         grads = _grouped_clip(grads, groups, settings.grad_clip)
         updates, opt = optimizer.update(grads, state["opt"], state["trainable"])
         trained = optax.apply_updates(state["trainable"], updates)
@@ -295,10 +296,11 @@ def train_phase(
         bar = tqdm(total=settings.steps, initial=record["step"], desc=phase, unit="step", dynamic_ncols=True)
     tokens_per_step = settings.batch_size * settings.seq_len
     window: list[float] = []  # wall seconds of this window's steps (the first step of a run: its compile)
+    cpu: list[float] = []  # CPU seconds (all threads of this process) of the same steps
     first = True
     while record["step"] < settings.steps:
         step = record["step"]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         batch = {k: jnp.asarray(v) for k, v in batch_fn(step).items()}
         state, metrics = step_jit(state, batch, jnp.int32(step))
         metrics = {k: float(v) for k, v in metrics.items()}
@@ -307,6 +309,7 @@ def train_phase(
             first = False
         else:
             window.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         record["step"] = step + 1
         if bar is not None:
             bar.update(1)
@@ -319,13 +322,14 @@ def train_phase(
                 "train": metrics,
                 "val": validate(record["step"]),
                 "step_s": step_s,
+                "step_cpu_s": float(np.mean(cpu)) if cpu else float("nan"),
                 "tokens_per_s": tokens_per_step / step_s if window else float("nan"),
                 "load_avg_1m": os.getloadavg()[0],
                 "time": time.time(),
             }
             record["history"].append(entry)
             log(f"[{phase}] {json.dumps(entry, sort_keys=True)}")
-            window = []
+            window, cpu = [], []
         if record["step"] % settings.checkpoint_every == 0 or last:
             _save(folder, phase, state, record)
     if bar is not None:
