@@ -249,7 +249,8 @@ def mtp_quality(
     ``agree_tf``: the MTP layer's argmax at ``i`` (fed ``h_i`` and the text's token ``i+1``) equals the main
     model's argmax at ``i+1`` on the text, over every position. ``accept_rate``: the engine's greedy round at
     ``per_window`` seeded anchors ``p`` -- ``g`` = the main model's argmax at ``p``, the MTP draft from ``h_p`` and
-    ``g``, accepted iff it is the main model's argmax at ``p+1`` given ``g``.
+    ``g`` (the MTP layer seeing its own earlier positions, fed by the text), accepted iff it is the main model's
+    argmax at ``p+1`` given ``g``.
     """
     from deepinfer_jax.models.deepseek_v3 import model as v3
 
@@ -264,10 +265,13 @@ def mtp_quality(
         flat = p.reshape(-1)
         row = jnp.repeat(jnp.arange(rows, dtype=jnp.int32), count)
         golden = jnp.argmax(logits[row, flat], axis=-1).astype(jnp.int32)
-        d, _, _ = v3.mtp_forward(params, cfg, hidden[row, flat][:, None], golden[:, None])
-        d = jnp.argmax(d[:, 0], axis=-1).astype(jnp.int32)
         seq = jnp.repeat(ids, count, axis=0)
         n = jnp.arange(seq.shape[0])
+        # The MTP layer attends over its own earlier positions: run it over the prefix, the text's next tokens
+        # up to p and g at p (it is causal, so what follows p does not matter), and read its prediction at p.
+        nexts = seq[:, 1:].at[n, flat].set(golden)
+        d, _, _ = v3.mtp_forward(params, cfg, jnp.repeat(hidden[:, :-1], count, axis=0), nexts)
+        d = jnp.argmax(d[n, flat], axis=-1).astype(jnp.int32)
         spliced = seq.at[n, flat + 1].set(golden).at[n, flat + 2].set(d)
         verify = v3.forward_logits(params, cfg, spliced)
         return tf, (jnp.argmax(verify[n, flat + 1], -1) == d).astype(jnp.float32)

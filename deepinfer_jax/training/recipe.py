@@ -237,7 +237,7 @@ def run_recipe(
     cfg = load_model_config(run_dir)
     train_tokens = tokenize(tokenizer_text, corpus.train_texts())
     val_tokens = tokenize(tokenizer_text, corpus.validation_texts())
-    bos = 0
+    bos = int(model.get("bos_token_id", 0))  # 0 in the trained tokenizer's layout
     log(
         f"[{recipe.name}] tokenizer {vocab} ids; {train_tokens.size} training / {val_tokens.size} held-out tokens"
     )
