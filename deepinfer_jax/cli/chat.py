@@ -112,7 +112,7 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
             temperature=fv.temperature, top_p=fv.top_p, top_k=fv.top_k, max_tokens=fv.max_tokens
         )
         llm = common.llm_from_flags(fv)
-        if builtin.is_builtin(fv.model):
+        if builtin.is_builtin(fv.model) and builtin.get_builtin(fv.model).random_weights:
             print(
                 f"{fv.model} is a built-in test model with random weights: its replies are noise.",
                 file=notice,

@@ -57,7 +57,7 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
             max_tokens=fv.max_tokens,
             ignore_eos=fv.ignore_eos,
         )
-        if builtin.is_builtin(fv.model):
+        if builtin.is_builtin(fv.model) and builtin.get_builtin(fv.model).random_weights:
             print(f"{fv.model} is a built-in test model with random weights: its completions are noise.")
         print(llm.memory_plan.describe())
         if fv.prompt:

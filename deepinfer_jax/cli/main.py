@@ -63,6 +63,11 @@ register_subcommand(
 register_subcommand("chat", "deepinfer_jax.cli.chat", "chat with a model: reasoning, answer, tool calls")
 register_subcommand("bench", "deepinfer_jax.cli.bench", "time a workload through the engine (and a baseline)")
 register_subcommand("sweep", "deepinfer_jax.cli.sweep", "run a benchmark grid from a yaml or gin sweep file")
+register_subcommand(
+    "eval",
+    "deepinfer_jax.cli.eval",
+    "score a text through the engine: bits per character, perplexity, tokens/s",
+)
 # Further subcommands are registered here by the issue that implements them.
 
 
