@@ -7,8 +7,9 @@ tokenizer.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from deepinfer_jax._lazy import lazy_exports
 
 __version__ = "0.1.0.dev0"
 
@@ -21,18 +22,7 @@ _LAZY: dict[str, str] = {
 
 __all__ = ["LLM", "SamplingParams", "__version__", "init_random", "load_model"]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
 
 
 if TYPE_CHECKING:

@@ -5,6 +5,12 @@
 | :mod:`pallas_kernels.fp8_block_linear` | ``fp8_block_linear`` |
 | :mod:`pallas_kernels.mxfp4_grouped_linear` | ``mxfp4_grouped_linear``, ``mxfp4_grouped_swiglu`` |
 | :mod:`pallas_kernels.swiglu` | ``swiglu`` |
+| :mod:`pallas_kernels.paged_mla` | ``paged_mla_attention`` (float and FP8 latent caches) |
+| :mod:`pallas_kernels.sparse_attention` | ``v4_sparse_attention``, ``v4_sink_attention`` |
+| :mod:`pallas_kernels.indexer` | ``v4_indexer_topk``, ``v4_indexer_scores`` |
+| :mod:`pallas_kernels.kv_records` | ``kv_store_records`` (and the record decoder as a kernel) |
+| :mod:`pallas_kernels.compress_store` | ``v4_compress_store`` |
+| :mod:`pallas_kernels.mhc` | ``mhc_sinkhorn`` |
 
 The op registry imports these modules lazily (``"pallas_kernels.<module>:<function>"``), only when the
 ``pallas_gpu`` backend is selected on a GPU; they import nothing but JAX and :mod:`deepinfer_jax.numerics`.

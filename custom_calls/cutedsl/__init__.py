@@ -6,7 +6,9 @@ op it implements (``deepinfer_jax/ops``):
 * :mod:`.gemm` -- ``"fp8_block_linear"``: FP8 E4M3 weights with block scales, dequantised inside the kernel;
 * :mod:`.grouped_gemm` -- ``"mxfp4_grouped_linear"``: MXFP4 experts over rows sorted by expert, and
   ``"mxfp4_grouped_swiglu"``: the first expert GEMM pair fused with the SwiGLU;
-* :mod:`.swiglu` -- ``"swiglu"``: the clamped SwiGLU of model.md §5.4.
+* :mod:`.swiglu` -- ``"swiglu"``: the clamped SwiGLU of model.md §5.4;
+* :mod:`.tc_gemm` -- the tcgen05 / TMEM tensor-core versions of the GEMMs above, which the wrappers use for bf16
+  activations with power-of-two weight scales (**compiled for sm_100a, not run on hardware**).
 
 This package module stays light on purpose: it imports neither JAX nor CuteDSL, so the op registry can ask
 :func:`available` on every machine (a CPU CI runner, a Hopper box) at the cost of a dictionary lookup. The kernel

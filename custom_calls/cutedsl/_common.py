@@ -88,3 +88,40 @@ def cutlass_call(fn: Callable[..., None], **kwargs: Any) -> Callable[..., Any]:
     import cutlass.jax
 
     return cutlass.jax.cutlass_call(fn, **kwargs)
+
+
+def tensor_core_ok(x: jax.Array, *, ue8m0: bool = True) -> bool:
+    """Whether the tcgen05 kernels (:mod:`custom_calls.cutedsl.tc_gemm`) compute this product exactly: bf16
+    activations and power-of-two weight scales (float32 activations and V3 ``scale_inv`` take the SIMT kernels)."""
+    return jnp.dtype(x.dtype) == jnp.bfloat16 and ue8m0
+
+
+def token_tile(num_tokens: int) -> int:
+    """Tokens per tcgen05 CTA (the MMA's N): 16 for a decode step of at most 16 tokens, else 64."""
+    return 16 if num_tokens <= 16 else 64
+
+
+def work_slots(group_sizes: jax.Array, num_rows: int, tile: int) -> jax.Array:
+    """The grouped tcgen05 kernels' work list: int32 ``[ceil(num_rows / tile) + E - 1, 4]``.
+
+    Rows are sorted by expert (``group_sizes [E]`` rows each). Each slot is one (row tile, expert) pair that
+    intersect: ``(expert, first row of the tile, first live row, end of the live rows)``; the live rows of all
+    slots partition the grouped rows exactly once. Unused slots (the list has a static length) have no live row.
+    """
+    sizes = group_sizes.astype(jnp.int32)
+    num_experts = sizes.shape[0]
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    tiles = -(-num_rows // tile)
+    first = jnp.arange(tiles, dtype=jnp.int32)[:, None] * tile  # [tiles, 1]
+    lo = jnp.maximum(first, starts[None, :])
+    hi = jnp.minimum(first + tile, ends[None, :])
+    hit = (lo < hi).reshape(-1)
+    count = tiles + num_experts - 1
+    (pick,) = jnp.nonzero(hit, size=count, fill_value=0)
+    used = jnp.arange(count) < jnp.sum(hit)
+    expert = (pick % num_experts).astype(jnp.int32)
+    row0 = (pick // num_experts).astype(jnp.int32) * tile
+    lo_s = jnp.where(used, lo.reshape(-1)[pick], 0)
+    hi_s = jnp.where(used, hi.reshape(-1)[pick], 0)
+    return jnp.stack([expert, row0, lo_s, hi_s], axis=1).astype(jnp.int32)

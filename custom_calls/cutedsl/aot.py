@@ -77,6 +77,43 @@ VARIANTS: tuple[Variant, ...] = (
         ),
         (("limit", 10.0),),
     ),
+    # tcgen05 tensor-core kernels (tc_gemm.py): bf16 activations, UE8M0 scales; the token tile bn is the MMA's N
+    Variant(
+        "fp8_block_gemm_tc_bn16",
+        "custom_calls.cutedsl.tc_gemm",
+        "fp8_block_gemm_tc",
+        (("BFloat16", 2), ("Uint8", 2), ("Uint8", 2), ("BFloat16", 2)),
+        (("bn", 16), ("block_rows", 32), ("block_cols", 32)),
+    ),
+    Variant(
+        "fp8_block_gemm_tc_bn64",
+        "custom_calls.cutedsl.tc_gemm",
+        "fp8_block_gemm_tc",
+        (("BFloat16", 2), ("Uint8", 2), ("Uint8", 2), ("BFloat16", 2)),
+        (("bn", 64), ("block_rows", 32), ("block_cols", 32)),
+    ),
+    Variant(
+        "mxfp4_grouped_gemm_tc_bn64",
+        "custom_calls.cutedsl.tc_gemm",
+        "mxfp4_grouped_gemm_tc",
+        (("BFloat16", 2), ("Uint8", 3), ("Uint8", 3), ("Int32", 2), ("BFloat16", 2)),
+        (("bn", 64),),
+    ),
+    Variant(
+        "mxfp4_grouped_swiglu_tc_bn64",
+        "custom_calls.cutedsl.tc_gemm",
+        "mxfp4_grouped_swiglu_gemm_tc",
+        (
+            ("BFloat16", 2),
+            ("Uint8", 3),
+            ("Uint8", 3),
+            ("Uint8", 3),
+            ("Uint8", 3),
+            ("Int32", 2),
+            ("BFloat16", 2),
+        ),
+        (("bn", 64), ("limit", 10.0)),
+    ),
     Variant(
         "swiglu_clamped",
         "custom_calls.cutedsl.swiglu",

@@ -9,8 +9,9 @@ scale multiplication per block instead of per element). A dequantised weight nev
 Work split: one thread per output column and ``TOKENS = 8`` token rows, ``128`` columns per CTA; the grid is
 ``(ceil(N / 128), ceil(T / 8))``. Each weight byte is read and decoded once per CTA and used for the eight rows
 (float32 accumulators in registers); the activations a warp reads are the same address for all its lanes
-(a broadcast). It is the straightforward correct kernel the op needs on SM100; a tcgen05/TMA pipeline is a
-drop-in replacement behind the same wrapper.
+(a broadcast). On the GPU the wrapper runs this SIMT kernel only where the tensor-core kernel of
+:mod:`.tc_gemm` would not be exact: float32 activations (parity mode) and DeepSeek-V3's float32 ``scale_inv``
+blocks. bf16 activations with UE8M0 scales take the tcgen05 kernel (compiled for sm_100a, not run on hardware).
 
 :func:`fp8_block_linear` is the op implementation. On the ``cuda`` platform it lowers to the
 ``cutlass_call`` custom call; on every other platform (``lax.platform_dependent``) it runs the tiled ``jnp``
@@ -30,7 +31,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from custom_calls.cutedsl import _device
-from custom_calls.cutedsl._common import cast_activations, check_out_dtype, cutlass_call
+from custom_calls.cutedsl._common import (
+    cast_activations,
+    check_out_dtype,
+    cutlass_call,
+    tensor_core_ok,
+    token_tile,
+)
 from deepinfer_jax.numerics.elements import as_uint8
 from deepinfer_jax.numerics.qlinear import fp8_linear
 
@@ -161,12 +168,20 @@ def fp8_block_linear(
         return jnp.zeros((num_tokens, num_out), out_dtype)
 
     def on_gpu(xc: jax.Array, codes: jax.Array, scale_in: jax.Array) -> jax.Array:
+        out_shape = jax.ShapeDtypeStruct((num_tokens, num_out), out_dtype)
+        if tensor_core_ok(xc, ue8m0=ue8m0):  # tcgen05 (tc_gemm.py); compiled for sm_100a, not run on hardware
+            from custom_calls.cutedsl.tc_gemm import fp8_block_gemm_tc
+
+            call = cutlass_call(
+                fp8_block_gemm_tc,
+                output_shape_dtype=out_shape,
+                bn=token_tile(num_tokens),
+                block_rows=b0,
+                block_cols=b1,
+            )
+            return call(xc, codes, scale_in)
         call = cutlass_call(
-            fp8_block_gemm,
-            output_shape_dtype=jax.ShapeDtypeStruct((num_tokens, num_out), out_dtype),
-            block_rows=b0,
-            block_cols=b1,
-            ue8m0=ue8m0,
+            fp8_block_gemm, output_shape_dtype=out_shape, block_rows=b0, block_cols=b1, ue8m0=ue8m0
         )
         return call(xc, codes, scale_in)
 

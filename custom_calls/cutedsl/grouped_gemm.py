@@ -16,7 +16,10 @@ The fused form (:func:`mxfp4_grouped_swiglu`) computes an element's gate (``w1``
 same thread and applies the clamped SwiGLU (model.md §5.4) before its single rounding.
 
 Both wrappers lower to the ``cutlass_call`` custom call on ``cuda`` and run the loop-over-experts ``jnp``
-reference :func:`deepinfer_jax.numerics.qlinear.grouped_mxfp4_linear` on every other platform.
+reference :func:`deepinfer_jax.numerics.qlinear.grouped_mxfp4_linear` on every other platform. On ``cuda``, bf16
+activations take the tcgen05 tensor-core kernels of :mod:`.tc_gemm` instead (compiled for sm_100a, not run on
+hardware), with a static (row tile, expert) work list from :func:`custom_calls.cutedsl._common.work_slots`;
+these SIMT kernels remain for float32 activations.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ from custom_calls.cutedsl._common import (
     check_out_dtype,
     cutlass_call,
     swiglu_f32,
+    tensor_core_ok,
+    token_tile,
+    work_slots,
 )
 from deepinfer_jax.numerics.elements import as_uint8
 from deepinfer_jax.numerics.formats import MXFP4
@@ -154,6 +160,12 @@ def mxfp4_grouped_swiglu_gemm(
     )
 
 
+def _zero_padding_rows(out: jax.Array, sizes: jax.Array) -> jax.Array:
+    """Rows past ``sum(group_sizes)`` are padding: the tcgen05 kernels never write them, the op returns 0."""
+    rows = jnp.arange(out.shape[0], dtype=jnp.int32)[:, None]
+    return jnp.where(rows < jnp.sum(sizes), out, jnp.zeros((), out.dtype))
+
+
 def _check_tokens(x: jax.Array) -> None:
     if x.ndim != 2:
         raise ValueError(f"x must have shape [T, K], got shape {x.shape}")
@@ -215,10 +227,16 @@ def mxfp4_grouped_linear(
         return jnp.zeros((num_tokens, num_out), out_dtype)
 
     def on_gpu(xc: jax.Array, codes: jax.Array, scale_bytes: jax.Array, sizes: jax.Array) -> jax.Array:
+        out_shape = jax.ShapeDtypeStruct((num_tokens, num_out), out_dtype)
+        if tensor_core_ok(xc):  # tcgen05 (tc_gemm.py); compiled for sm_100a, not run on hardware
+            from custom_calls.cutedsl.tc_gemm import mxfp4_grouped_gemm_tc
+
+            tile = token_tile(num_tokens)
+            call = cutlass_call(mxfp4_grouped_gemm_tc, output_shape_dtype=out_shape, bn=tile)
+            out = call(xc, codes, scale_bytes, work_slots(sizes, num_tokens, tile))
+            return _zero_padding_rows(out, sizes)
         row_expert = token_expert_ids(num_tokens, packed.shape[0], group_sizes=sizes)
-        call = cutlass_call(
-            mxfp4_grouped_gemm, output_shape_dtype=jax.ShapeDtypeStruct((num_tokens, num_out), out_dtype)
-        )
+        call = cutlass_call(mxfp4_grouped_gemm, output_shape_dtype=out_shape)
         return call(xc, codes, scale_bytes, row_expert)
 
     def elsewhere(xc: jax.Array, codes: jax.Array, scale_bytes: jax.Array, sizes: jax.Array) -> jax.Array:
@@ -271,12 +289,18 @@ def mxfp4_grouped_swiglu(
         return jnp.zeros((num_tokens, inter), out_dtype)
 
     def on_gpu(xc: jax.Array, gp: jax.Array, gs: jax.Array, up: jax.Array, us: jax.Array, sizes: jax.Array):
+        out_shape = jax.ShapeDtypeStruct((num_tokens, inter), out_dtype)
+        if tensor_core_ok(xc):  # tcgen05 (tc_gemm.py); compiled for sm_100a, not run on hardware
+            from custom_calls.cutedsl.tc_gemm import mxfp4_grouped_swiglu_gemm_tc
+
+            tile = token_tile(num_tokens)
+            call = cutlass_call(
+                mxfp4_grouped_swiglu_gemm_tc, output_shape_dtype=out_shape, bn=tile, limit=limit
+            )
+            out = call(xc, gp, gs, up, us, work_slots(sizes, num_tokens, tile))
+            return _zero_padding_rows(out, sizes)
         row_expert = token_expert_ids(num_tokens, gate_packed.shape[0], group_sizes=sizes)
-        call = cutlass_call(
-            mxfp4_grouped_swiglu_gemm,
-            output_shape_dtype=jax.ShapeDtypeStruct((num_tokens, inter), out_dtype),
-            limit=limit,
-        )
+        call = cutlass_call(mxfp4_grouped_swiglu_gemm, output_shape_dtype=out_shape, limit=limit)
         return call(xc, gp, gs, up, us, row_expert)
 
     def elsewhere(

@@ -11,17 +11,13 @@ while a step runs is charged the wait until the next round -- as a server's queu
 
 Everything runs on the engine's clock (``time.monotonic``, the scheduler's default), so arrival, first-token
 and finish times of the outputs can be compared directly. When nothing is queued or running, the loop sleeps
-until the next arrival instead of spinning.
-
-Only a runner whose ``run`` takes ``poll`` can admit requests while it runs. The single-device
-:class:`~deepinfer_jax.engine.runner.EngineRunner` does; :func:`check_online_runner` refuses any other with a
-``ValueError`` that names the runner and the mesh.
+until the next arrival instead of spinning. The engine runs one loop on every mesh, so online runs work on one
+device and on a ``(dp, ep)`` mesh alike (the router places each arrival on a device).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import itertools
 import math
 import time
@@ -33,36 +29,10 @@ from deepinfer_jax.engine.llm import LLM, derive_seed
 from deepinfer_jax.engine.params import RequestOutput, SamplingParams, validate_request
 from deepinfer_jax.engine.runner import RunStats
 
-__all__ = ["OnlineRun", "check_online_runner", "run_online"]
+__all__ = ["OnlineRun", "run_online"]
 
 _RUN_IDS = itertools.count()
 """Numbers the online runs of this process, so request ids never collide with a previous run's."""
-
-
-def check_online_runner(llm: LLM) -> None:
-    """Raise ``ValueError`` unless ``llm``'s runner can admit requests between steps (``run(..., poll=)``)."""
-    runner = llm.runner
-    run = getattr(runner, "run", None)
-    accepts = False
-    if callable(run):
-        try:
-            accepts = "poll" in inspect.signature(run).parameters
-        except (TypeError, ValueError):  # a builtin or C callable without a signature
-            accepts = False
-    if not accepts:
-        mesh = getattr(llm, "mesh", None)
-        where = (
-            "one device"
-            if mesh is None
-            else f"a mesh of {mesh.devices.size} devices ("
-            + ", ".join(f"{a}={n}" for a, n in zip(mesh.axis_names, mesh.devices.shape))
-            + ")"
-        )
-        raise ValueError(
-            f"request_rate: the engine runner on {where} ({type(runner).__name__}) cannot admit requests while it "
-            "runs (its run() takes no poll callback); run online workloads with data_parallel_size = "
-            "expert_parallel_size = 1, or drop request_rate"
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,19 +101,19 @@ def run_online(
 ) -> OnlineRun:
     """Serve ``prompt_token_ids`` arriving at ``arrival_offsets`` (seconds from now) through ``llm``'s engine.
 
-    Every request is validated before the first one is admitted (bad input raises and nothing runs). Request
+    Every request is validated before the first one is admitted (bad input raises and nothing runs); afterwards
+    ``llm.last_stats`` holds the run's counters, as after ``generate``. Request
     ``i`` gets the sampling seed ``generate`` would give it as the ``i``-th prompt of one call
     (:func:`~deepinfer_jax.engine.llm.derive_seed`) unless its parameters set ``seq_seed``, so an online run
     samples the same tokens as the offline run of the same requests.
 
     Args:
-      llm: the engine; its runner must accept ``poll`` (:func:`check_online_runner`).
+      llm: the engine.
       prompt_token_ids: one list of ids per request.
       sampling_params: one per request.
       arrival_offsets: non-decreasing offsets in seconds, one per request.
       sleep: how the loop waits for the next arrival when the engine is idle.
     """
-    check_online_runner(llm)
     n = len(prompt_token_ids)
     if n == 0:
         raise ValueError("prompt_token_ids: the list of prompts is empty")
@@ -200,6 +170,7 @@ def run_online(
         return next_i < n
 
     outputs, stats = llm.runner.run(poll=poll)
+    llm.last_stats = stats
     end = clock()
     by_id = {o.request_id: o for o in outputs}
     missing = [rid for rid in request_ids if rid not in by_id]

@@ -30,7 +30,7 @@ import jax
 from deepinfer_jax import cache as cache_lib
 from deepinfer_jax.bench.baseline import DEFAULT_SCRIPT, BaselineProcess, baseline_setup
 from deepinfer_jax.bench.metrics import RequestTiming, distribution, run_metrics
-from deepinfer_jax.bench.online import check_online_runner, run_online
+from deepinfer_jax.bench.online import run_online
 from deepinfer_jax.bench.workload import Request, Workload
 from deepinfer_jax.engine.llm import LLM
 from deepinfer_jax.engine.params import RequestOutput, SamplingParams
@@ -56,11 +56,8 @@ class StepTimer:
     def attach(self, llm: LLM) -> Iterator[StepTimer]:
         runner = llm.runner
         names = ("_dispatch", "_process")
-        # On a mesh the runner asks each device's scheduler for its part of the step.
-        schedulers = list(getattr(llm.scheduler, "schedulers", None) or [llm.scheduler])
-        if not all(callable(getattr(runner, n, None)) for n in names) or not all(
-            hasattr(s, "schedule") for s in schedulers
-        ):
+        scheduler = llm.scheduler
+        if not all(callable(getattr(runner, n, None)) for n in names) or not hasattr(scheduler, "schedule"):
             self.available = False
             yield self
             return
@@ -89,14 +86,12 @@ class StepTimer:
             return timed(originals["_process"])(plan, out)
 
         runner._dispatch, runner._process = dispatch, process
-        for s in schedulers:
-            s.schedule = timed(s.schedule)
+        scheduler.schedule = timed(scheduler.schedule)
         try:
             yield self
         finally:
             del runner._dispatch, runner._process
-            for s in schedulers:
-                del s.schedule
+            del scheduler.schedule
 
     def to_dict(self) -> dict[str, Any]:
         if not self.available:
@@ -160,8 +155,6 @@ class EngineBench:
             raise ModelNotSupportedError(
                 f"model {w.model!r}{mesh} is not supported by the engine yet: {err}"
             ) from err
-        if w.online:
-            check_online_runner(self.llm)
         cfg = self.llm.model.config
         self.requests: list[Request] = w.requests(cfg.vocab_size)
         self.compile_count = 0

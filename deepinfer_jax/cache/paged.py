@@ -8,6 +8,12 @@ sequence, so ``-1`` entries of a block table (unused) can be clamped to it safel
 entry is masked by position. Storage is float32 in parity mode and bfloat16 in production mode
 (ARCHITECTURE.md §8; 1152 bytes per token and layer at V3's 512 + 64), ``kv_cache_dtype`` overriding either.
 
+``kv_cache_dtype="quantized"`` selects the **FP8 latent record** (storage ``"fp8"``, ``uint8`` bytes, 656 B per
+token and layer at 512 + 64, the FlashMLA-style layout of spec/model.md §16): the ``C`` latent values as E4M3
+codes, one float32 ``scale_inv = max(amax, 1e-4) / 448`` per 128 latent values (little-endian bytes; a last
+group may be shorter), then the ``R`` rope values as little-endian bf16. :func:`write_tokens` encodes and
+:func:`read_tokens` / :func:`paged_mla_attention` decode it, so callers pass and get float values either way.
+
 All device functions take the **whole** cache and a static layer index and address it with a single gather or
 scatter, so XLA never slices a layer out (a slice of a donated buffer is a copy) and a decode step's temporary
 memory stays proportional to one block per query token, not to the cache.
@@ -31,12 +37,18 @@ from jax import lax
 
 from deepinfer_jax.cache.plan import CacheLayout
 from deepinfer_jax.cache.record_bytes import record_bytes
-from deepinfer_jax.ops.registry import register_op
+from deepinfer_jax.numerics.codecs import dequantize_groups, quantize_groups
+from deepinfer_jax.numerics.formats import QuantScheme
+from deepinfer_jax.ops.ascend import ascend_impl
+from deepinfer_jax.ops.registry import register_impl, register_op
 
 __all__ = [
     "LATENT_CACHE_DTYPES",
     "LatentCacheSpec",
+    "decode_latent_fp8",
     "dense_context",
+    "encode_latent_fp8",
+    "fp8_latent_record_bytes",
     "init_latent_cache",
     "latent_cache_dtype",
     "latent_cache_layout",
@@ -47,8 +59,12 @@ __all__ = [
     "write_tokens",
 ]
 
-LATENT_CACHE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
-"""Storage dtypes of the paged V3 latent cache."""
+LATENT_CACHE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "fp8")
+"""Storage formats of the paged V3 latent cache (``"fp8"``: the FP8 latent record, module docstring)."""
+
+#: Latent values one float32 scale of the FP8 latent record covers.
+FP8_LATENT_GROUP = 128
+_FP8_LATENT = QuantScheme("e4m3", "float32", FP8_LATENT_GROUP)
 
 _HIGHEST = lax.Precision.HIGHEST
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -83,21 +99,81 @@ def parse_bytes(value: Any, field: str = "kv_cache_memory") -> int:
 
 
 def latent_cache_dtype(mode: str, kv_cache_dtype: str = "auto") -> str:
-    """Storage dtype of the latent cache for precision ``mode`` and the ``kv_cache_dtype`` override.
+    """Storage format of the latent cache for precision ``mode`` and the ``kv_cache_dtype`` override.
 
-    ``"auto"`` follows the mode (float32 parity, bfloat16 production); ``"float32"``/``"bfloat16"`` force it.
-    The V3 FP8 latent record (``"quantized"``) has no paged implementation, so it is refused here.
+    ``"auto"`` follows the mode (float32 parity, bfloat16 production); ``"float32"``/``"bfloat16"`` force it;
+    ``"quantized"`` (or ``"fp8"``) is the FP8 latent record (module docstring).
     """
-    if mode not in LATENT_CACHE_DTYPES:
-        raise ValueError(f"dtype: {mode!r} is not a precision mode; expected one of {LATENT_CACHE_DTYPES}")
+    if mode not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype: {mode!r} is not a precision mode; expected one of ('float32', 'bfloat16')")
     if kv_cache_dtype == "auto":
         return mode
+    if kv_cache_dtype == "quantized":
+        return "fp8"
     if kv_cache_dtype not in LATENT_CACHE_DTYPES:
         raise ValueError(
             f"kv_cache_dtype: {kv_cache_dtype!r} is not supported by the DeepSeek-V3 paged latent cache; "
-            f"expected 'auto' or one of {LATENT_CACHE_DTYPES}"
+            f"expected 'auto', 'quantized' or one of {LATENT_CACHE_DTYPES}"
         )
     return kv_cache_dtype
+
+
+def fp8_latent_record_bytes(kv_rank: int, rope_dim: int) -> int:
+    """Bytes of one FP8 latent record: ``C`` codes, ``4 · ceil(C / 128)`` scale bytes, ``2 · R`` rope bytes."""
+    return kv_rank + 4 * -(-kv_rank // FP8_LATENT_GROUP) + 2 * rope_dim
+
+
+def storage_dtype(dtype: str) -> jnp.dtype:
+    """The array dtype of a latent cache format (``uint8`` for the FP8 record)."""
+    return jnp.dtype(jnp.uint8) if dtype == "fp8" else jnp.dtype(dtype)
+
+
+def _le_bytes(bits: jax.Array, count: int) -> jax.Array:
+    """The ``count`` little-endian bytes of unsigned ``bits [...]`` as ``uint8 [..., count]``."""
+    return jnp.stack([((bits >> (8 * i)) & 0xFF).astype(jnp.uint8) for i in range(count)], axis=-1)
+
+
+def _from_le(b: jax.Array) -> jax.Array:
+    """``uint32 [...]`` from little-endian bytes ``uint8 [..., n]``."""
+    out = jnp.zeros(b.shape[:-1], jnp.uint32)
+    for i in range(b.shape[-1]):
+        out = out | (b[..., i].astype(jnp.uint32) << (8 * i))
+    return out
+
+
+def encode_latent_fp8(entries: jax.Array, kv_rank: int) -> jax.Array:
+    """FP8 latent records ``uint8 [..., fp8_latent_record_bytes(C, R)]`` of ``entries [..., C + R]``."""
+    entries = jnp.asarray(entries)
+    lat = entries[..., :kv_rank].astype(jnp.float32)
+    rope = entries[..., kv_rank:]
+    q = quantize_groups(lat, _FP8_LATENT)
+    scale_bytes = _le_bytes(lax.bitcast_convert_type(q.scales, jnp.uint32), 4)
+    rope_bits = lax.bitcast_convert_type(rope.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
+    parts = [
+        q.codes,
+        scale_bytes.reshape(*lat.shape[:-1], -1),
+        _le_bytes(rope_bits, 2).reshape(*lat.shape[:-1], -1),
+    ]
+    return jnp.concatenate(parts, axis=-1)
+
+
+def decode_latent_fp8(records: jax.Array, kv_rank: int, rope_dim: int, dtype: Any = jnp.float32) -> jax.Array:
+    """Values ``[..., C + R]`` of FP8 latent records (inverse of :func:`encode_latent_fp8` up to the rounding)."""
+    records = jnp.asarray(records)
+    groups = -(-kv_rank // FP8_LATENT_GROUP)
+    if records.shape[-1] != fp8_latent_record_bytes(kv_rank, rope_dim):
+        raise ValueError(
+            f"FP8 latent records of {kv_rank} + {rope_dim} values have {fp8_latent_record_bytes(kv_rank, rope_dim)} "
+            f"bytes, got shape {records.shape}"
+        )
+    lead = records.shape[:-1]
+    codes = records[..., :kv_rank]
+    sbytes = records[..., kv_rank : kv_rank + 4 * groups].reshape(*lead, groups, 4)
+    scales = lax.bitcast_convert_type(_from_le(sbytes), jnp.float32)
+    lat = dequantize_groups(codes, scales, _FP8_LATENT)
+    rbytes = records[..., kv_rank + 4 * groups :].reshape(*lead, rope_dim, 2)
+    rope = lax.bitcast_convert_type(_from_le(rbytes).astype(jnp.uint16), jnp.bfloat16).astype(jnp.float32)
+    return jnp.concatenate([lat, rope], axis=-1).astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +186,7 @@ class LatentCacheSpec:
       block_size: tokens per block.
       kv_rank: ``kv_lora_rank`` (the latent width ``C``).
       rope_dim: ``qk_rope_head_dim`` (``R``).
-      dtype: storage dtype name, one of :data:`LATENT_CACHE_DTYPES`.
+      dtype: storage format name, one of :data:`LATENT_CACHE_DTYPES`.
     """
 
     num_layers: int
@@ -138,12 +214,19 @@ class LatentCacheSpec:
         return self.kv_rank + self.rope_dim
 
     @property
+    def row_width(self) -> int:
+        """Items per cached token and layer: ``C + R`` values, or the bytes of an FP8 latent record."""
+        if self.dtype == "fp8":
+            return fp8_latent_record_bytes(self.kv_rank, self.rope_dim)
+        return self.width
+
+    @property
     def shape(self) -> tuple[int, int, int, int]:
-        return (self.num_layers, self.num_blocks, self.block_size, self.width)
+        return (self.num_layers, self.num_blocks, self.block_size, self.row_width)
 
     @property
     def bytes_per_token_layer(self) -> int:
-        return self.width * np.dtype(jnp.dtype(self.dtype)).itemsize
+        return self.row_width * np.dtype(storage_dtype(self.dtype)).itemsize
 
     @property
     def bytes_per_block(self) -> int:
@@ -162,6 +245,8 @@ class LatentCacheSpec:
 
 def _bytes_per_token_layer(model_config: Any, dtype: str) -> int:
     width = model_config.kv_lora_rank + model_config.qk_rope_head_dim
+    if dtype == "fp8":
+        return fp8_latent_record_bytes(model_config.kv_lora_rank, model_config.qk_rope_head_dim)
     if dtype == "bfloat16":
         # The production record of the numerics library (bf16 latent + rope); it agrees with 2 * width.
         return record_bytes(model_config)["latent"]
@@ -184,6 +269,7 @@ def latent_cache_layout(model_config: Any, *, block_size: int, dtype: str) -> Ca
     per_token = _bytes_per_token_layer(model_config, dtype)
     layers = int(model_config.num_layers_total)
     width = model_config.kv_lora_rank + model_config.qk_rope_head_dim
+    what = "E4M3 latent + float32 scale per 128 + bf16 rope" if dtype == "fp8" else f"x {dtype}"
     return CacheLayout(
         block_size=block_size,
         bytes_per_block=per_token * block_size * layers,
@@ -191,16 +277,17 @@ def latent_cache_layout(model_config: Any, *, block_size: int, dtype: str) -> Ca
         dtype=dtype,
         lines=(
             f"latent record: {width} values ({model_config.kv_lora_rank} latent + "
-            f"{model_config.qk_rope_head_dim} rope) x {dtype} = {per_token} B per token per layer, {layers} layers",
+            f"{model_config.qk_rope_head_dim} rope) {what} = {per_token} B per token per layer, {layers} layers",
         ),
     )
 
 
 def init_latent_cache(spec: LatentCacheSpec, sharding: Any = None) -> jax.Array:
     """A zeroed cache of ``spec.shape`` in the storage dtype (zeros keep masked reads finite)."""
+    dtype = storage_dtype(spec.dtype)
     if sharding is None:
-        return jnp.zeros(spec.shape, jnp.dtype(spec.dtype))
-    return jax.jit(lambda: jnp.zeros(spec.shape, jnp.dtype(spec.dtype)), out_shardings=sharding)()
+        return jnp.zeros(spec.shape, dtype)
+    return jax.jit(lambda: jnp.zeros(spec.shape, dtype), out_shardings=sharding)()
 
 
 # -------------------------------------------------------------------------------------- device
@@ -225,19 +312,66 @@ def slot_mapping(
 
 
 def write_tokens(
-    cache: jax.Array, layer: int, entries: jax.Array, blocks: jax.Array, offsets: jax.Array
+    cache: jax.Array,
+    layer: int,
+    entries: jax.Array,
+    blocks: jax.Array,
+    offsets: jax.Array,
+    *,
+    kv_rank: int | None = None,
 ) -> jax.Array:
     """``cache`` with ``entries [T, C + R]`` written at ``(layer, blocks[t], offsets[t])``.
 
     Tokens whose block is out of range (padding, see :func:`slot_mapping`) are dropped. Under ``jax.jit`` with
-    the cache donated this is an in-place scatter.
+    the cache donated this is an in-place scatter. An FP8 latent cache (``uint8``) stores the encoded records;
+    it needs the latent width ``kv_rank`` unless the record width tells it unambiguously (it does not when
+    ``C`` is a multiple of 128 and ``C + 4`` would fit the same record, e.g. DeepSeek-V3's 512 + 64).
     """
+    if cache.dtype == jnp.uint8:
+        c = kv_rank if kv_rank is not None else _fp8_kv_rank(cache.shape[-1], entries.shape[-1])
+        if fp8_latent_record_bytes(c, entries.shape[-1] - c) != cache.shape[-1]:
+            raise ValueError(
+                f"write_tokens: FP8 latent records of {c} + {entries.shape[-1] - c} values have "
+                f"{fp8_latent_record_bytes(c, entries.shape[-1] - c)} bytes, the cache has {cache.shape[-1]}"
+            )
+        entries = encode_latent_fp8(entries, c)
     return cache.at[layer, blocks, offsets].set(entries.astype(cache.dtype), mode="drop")
 
 
-def read_tokens(cache: jax.Array, layer: int, blocks: jax.Array, offsets: jax.Array) -> jax.Array:
-    """The entries at ``(layer, blocks, offsets)`` (matching index shapes); out-of-range blocks read 0."""
-    return cache.at[layer, blocks, offsets].get(mode="fill", fill_value=0)
+def _fp8_kv_rank(record_width: int, width: int) -> int:
+    """The latent width ``C`` of FP8 latent records of ``record_width`` bytes holding ``width = C + R`` values.
+
+    Not unique when ``C`` is a multiple of 128 (``C`` and ``C + 4`` give the same record width): such widths
+    are refused rather than guessed, and the caller passes ``kv_rank``.
+    """
+    found = [c for c in range(1, width + 1) if fp8_latent_record_bytes(c, width - c) == record_width]
+    if len(found) != 1:
+        raise ValueError(
+            f"cannot tell the latent width of {width}-value entries from FP8 latent records of {record_width} "
+            f"bytes (candidates {found}); pass kv_rank="
+        )
+    return found[0]
+
+
+def read_tokens(
+    cache: jax.Array,
+    layer: int,
+    blocks: jax.Array,
+    offsets: jax.Array,
+    *,
+    kv_rank: int | None = None,
+    rope_dim: int | None = None,
+) -> jax.Array:
+    """The entries at ``(layer, blocks, offsets)`` (matching index shapes); out-of-range blocks read 0.
+
+    An FP8 latent cache needs ``kv_rank`` and ``rope_dim`` and returns the decoded float32 values.
+    """
+    rows = cache.at[layer, blocks, offsets].get(mode="fill", fill_value=0)
+    if cache.dtype != jnp.uint8:
+        return rows
+    if kv_rank is None or rope_dim is None:
+        raise ValueError("read_tokens: an FP8 latent cache needs kv_rank and rope_dim")
+    return decode_latent_fp8(rows, kv_rank, rope_dim)
 
 
 def paged_mla_attention(
@@ -257,8 +391,8 @@ def paged_mla_attention(
     Args:
       q_lat: ``[T, Nh, C]`` queries in the latent space (``q_nope · W_UK``).
       q_pe: ``[T, Nh, R]`` rotated RoPE queries.
-      cache: the whole paged cache ``[L, num_blocks, block_size, C + R]``; this step's tokens are already in
-      it.
+      cache: the whole paged cache ``[L, num_blocks, block_size, C + R]`` (or ``uint8`` FP8 latent records);
+      this step's tokens are already in it.
       layer: the static layer index into ``cache``.
       token_seq: ``int [T]`` row of ``block_tables`` owning each token; ``>= S`` marks padding (output zeros).
       positions: ``int [T]`` absolute positions; key position ``k`` is visible to a query at ``p`` iff ``k <=
@@ -288,10 +422,16 @@ def paged_mla_attention(
     num_iters = jnp.minimum((max_len + block_size - 1) // block_size, max_blocks)
     offsets = jnp.arange(block_size, dtype=jnp.int32)
 
+    fp8 = cache.dtype == jnp.uint8
+    rope_dim = q_pe.shape[-1]
+
     def body(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
         peak, total, acc = carry
         blk = lax.dynamic_index_in_dim(tables, j, axis=1, keepdims=False)  # [T]
-        kv = cache[layer, blk].astype(jnp.float32)  # [T, bs, C + R]
+        if fp8:  # FP8 latent records, decoded one block per token at a time
+            kv = decode_latent_fp8(cache[layer, blk], kv_rank, rope_dim)
+        else:
+            kv = cache[layer, blk].astype(jnp.float32)  # [T, bs, C + R]
         c, k_pe = kv[..., :kv_rank], kv[..., kv_rank:]
         scores = jnp.einsum("thc,tkc->thk", q_lat32, c, precision=_HIGHEST) + jnp.einsum(
             "thr,tkr->thk", q_pe32, k_pe, precision=_HIGHEST
@@ -320,6 +460,19 @@ register_op(
     "paged_mla_attention",
     paged_mla_attention,
     doc="absorbed MLA over a paged latent cache for a ragged token batch, blockwise online softmax (model.md §16)",
+)
+register_impl(
+    "paged_mla_attention",
+    "pallas_gpu",
+    "pallas_kernels.paged_mla:paged_mla_attention",
+    platforms=("gpu",),
+    reason="the Pallas Triton kernel needs the pallas_kernels package",
+)
+register_impl(
+    "paged_mla_attention",
+    "ascend",
+    ascend_impl("paged_mla_attention", paged_mla_attention),
+    platforms=("ascend",),
 )
 
 

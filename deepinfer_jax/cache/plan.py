@@ -75,20 +75,57 @@ class PagedCacheSpec:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """The outcome of :func:`plan_memory`: the sized spec and the numbers behind it."""
+    """The outcome of :func:`plan_memory`: one device's sized spec and the numbers behind it, and the mesh.
+
+    Attributes:
+      spec, budget_bytes, reserved_bytes: one device's cache (``budget_bytes`` is that device's share).
+      dp, ep: the engine's ``(dp, ep)`` mesh (``(1, 1)`` for one device).
+      total_budget_bytes: ``kv_cache_memory`` of the whole engine (each device plans ``total // (dp·ep)``).
+      max_num_seqs, max_num_batched_tokens: each device's step budgets (0 = not recorded).
+      expert_slots: ``(layer path, logical experts, physical slots)`` of every MoE layer laid out in slots;
+        each device holds ``slots / ep`` of a layer's slots.
+    """
 
     spec: PagedCacheSpec
     budget_bytes: int
     reserved_bytes: int
+    dp: int = 1
+    ep: int = 1
+    total_budget_bytes: int = 0
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    expert_slots: tuple[tuple[str, int, int], ...] = ()
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.ep
 
     @property
     def unused_bytes(self) -> int:
         return self.budget_bytes - self.reserved_bytes - self.spec.slot_bytes - self.spec.block_bytes
 
     def describe(self) -> str:
-        """A multi-line human-readable breakdown (printed when an engine starts)."""
+        """A multi-line human-readable breakdown (printed when an engine starts); on a mesh of several devices,
+        the layout of the mesh first, then one device's breakdown."""
         s, lay = self.spec, self.spec.layout
+        mesh: list[str] = []
+        if self.num_devices > 1:
+            mesh.append(
+                f"mesh: dp={self.dp} x ep={self.ep} = {self.num_devices} devices; each owns its sequences, a "
+                f"cache of {s.num_blocks} blocks and {s.num_slots} state slots, and runs up to "
+                f"{self.max_num_seqs} sequences / {self.max_num_batched_tokens} tokens per step "
+                f"(kv_cache_memory {self.total_budget_bytes / _MIB:.1f} MiB in total)"
+            )
+            if self.expert_slots:
+                shapes = sorted({(e, p) for _, e, p in self.expert_slots})
+                layout = ", ".join(f"{e} experts in {p} slots ({p // self.ep} per device)" for e, p in shapes)
+                mesh.append(
+                    f"routed experts: {len(self.expert_slots)} MoE layers sharded over ep={self.ep}: {layout}; "
+                    "everything else replicated"
+                )
+            mesh.append("per device:")
         lines = [
+            *mesh,
             f"KV cache plan: budget {self.budget_bytes / _MIB:.1f} MiB ({lay.dtype})",
             f"  per-slot sampling state and other reservations: {self.reserved_bytes / _MIB:.2f} MiB",
             *(f"  {line}" for line in lay.lines),

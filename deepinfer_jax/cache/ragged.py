@@ -31,13 +31,17 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.ops.tiling import tile_rows, tiled_map, untile_rows
+
 __all__ = [
     "RaggedMeta",
     "compressed_slots",
     "gather_entries",
     "history",
     "make_meta",
+    "page_rows",
     "ring_write",
+    "rowwise_meta",
     "write_entries",
 ]
 
@@ -109,6 +113,36 @@ def make_meta(
         row_start,
         slot,
     )
+
+
+def rowwise_meta(fn: Any, tile: int | None, meta: RaggedMeta, tokens: Any) -> Any:
+    """``fn(meta, tokens)`` for a pytree ``tokens`` of token-major arrays, optionally in fixed tiles of tokens.
+
+    Like :func:`~deepinfer_jax.ops.tiling.rowwise`, for computations that also read the step's addressing: each
+    tile gets ``meta`` with its token fields (``token_seq``, ``positions``, ``valid``, ``row``, ``slot``) cut to
+    the tile and the row fields whole. Padding tokens of the last tile are marked as padding (``token_seq = S``,
+    ``valid`` false, ``slot = -1``). Attention reads the caches through batched contractions whose size is the
+    step's token count; on XLA:CPU a token's result then depends on that count, so batch-invariant mode runs
+    them per tile. ``None`` leaves of ``tokens`` (absent optional inputs) pass through.
+    """
+    if tile is None:
+        return fn(meta, tokens)
+    fields = (
+        tile_rows(meta.token_seq, tile, meta.num_rows),
+        tile_rows(meta.positions, tile),
+        tile_rows(meta.valid, tile, False),
+        tile_rows(meta.row, tile),
+        tile_rows(meta.slot, tile, -1),
+    )
+
+    def one(xs: tuple[Any, Any]) -> Any:
+        (token_seq, positions, valid, row, slot), part = xs
+        local = meta._replace(token_seq=token_seq, positions=positions, valid=valid, row=row, slot=slot)
+        return fn(local, part)
+
+    tiled = (fields, jax.tree.map(lambda a: tile_rows(a, tile), tokens))
+    out = tiled_map(one, tiled, tile, meta.num_tokens)
+    return jax.tree.map(lambda a: untile_rows(a, meta.num_tokens), out)
 
 
 def history(
@@ -211,6 +245,14 @@ def compressed_slots(meta: RaggedMeta, ratio: int, block_size: int, num_blocks: 
     blocks = jnp.where(ok, block, num_blocks).astype(jnp.int32)
     offsets = ((first % block_size) // ratio).astype(jnp.int32)
     return ok, index.astype(jnp.int32), blocks, offsets
+
+
+def page_rows(blocks: jax.Array, offsets: jax.Array, entries_per_block: int, num_blocks: int) -> jax.Array:
+    """Flat page rows ``block · E + offset`` of :func:`compressed_slots`' ``blocks``/``offsets`` (pages viewed as
+    ``[num_blocks · E, ...]``, as the store ops address them); ``-1`` where the block is out of range (nothing to
+    write)."""
+    ok = (blocks >= 0) & (blocks < num_blocks)
+    return jnp.where(ok, blocks * entries_per_block + offsets, -1).astype(jnp.int32)
 
 
 def write_entries(pages: Any, entries: Any, blocks: jax.Array, offsets: jax.Array) -> Any:

@@ -28,8 +28,10 @@ Names (``spec/model.md`` §13.1): every name may carry an optional leading ``mod
 finds ``x`` stored as ``x`` or as ``model.x``, and ``resolve("model.x")`` finds it stored as ``x``; a checkpoint
 that stores both spellings of one name is refused when it is opened, naming both.
 
-``open_checkpoint(path)`` returns a :class:`CheckpointReader` for a folder with ``model.safetensors``, with
-``model.safetensors.index.json`` and its shards, or with an unambiguous set of ``*.safetensors`` files; and for a
+``open_checkpoint(path)`` returns a :class:`CheckpointReader` for a folder with ``model.safetensors.index.json``
+and its shards; with ``model.safetensors`` (read alone when there is no index, as transformers does: other
+``*.safetensors`` files beside it are ignored, with a warning naming them); or with an unambiguous set of other
+``*.safetensors`` files; and for a
 folder written by :mod:`deepinfer_jax.checkpoint.orbax_io` (same interface). :func:`save_hf_checkpoint` writes
 the other direction (one file, or shards plus an index above a size limit), streaming one tensor at a time.
 """
@@ -51,6 +53,7 @@ from typing import Any, BinaryIO, Self
 
 import ml_dtypes
 import numpy as np
+from absl import logging
 
 __all__ = [
     "AUX_FILES",
@@ -488,6 +491,17 @@ def _open_safetensors(path: Path) -> SafetensorsReader:
     files = sorted(p.name for p in path.glob("*.safetensors") if p.is_file())
     if not files:
         raise CheckpointError(f"{path}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors files")
+    if SINGLE_FILE in files and len(files) > 1:
+        # As transformers: without an index, model.safetensors is the checkpoint; other files are not read.
+        ignored = [f for f in files if f != SINGLE_FILE]
+        logging.warning(
+            "%s: reading %s only (there is no %s); ignoring %s",
+            path,
+            SINGLE_FILE,
+            INDEX_FILE,
+            ", ".join(ignored),
+        )
+        files = [SINGLE_FILE]
     return SafetensorsReader(path, files)
 
 

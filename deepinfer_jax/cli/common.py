@@ -74,7 +74,9 @@ def define_engine_flags(fv: flags.FlagValues, *, max_tokens: int, max_tokens_hel
         "precision mode: float32 (parity) or bfloat16 (production)",
         flag_values=fv,
     )
-    flags.DEFINE_string("kv_cache_dtype", "auto", "cache storage: auto, float32 or bfloat16", flag_values=fv)
+    flags.DEFINE_string(
+        "kv_cache_dtype", "auto", "cache storage: auto, float32, bfloat16 or quantized", flag_values=fv
+    )
     flags.DEFINE_string(
         "kv_cache_memory", None, "cache budget, e.g. 512MiB (default: 2GiB on CPU)", flag_values=fv
     )

@@ -21,6 +21,12 @@ from deepinfer_jax.cli import common
 def define_flags(fv: flags.FlagValues) -> None:
     common.define_config_flags(fv)
     flags.DEFINE_enum("format", "text", ["text", "json"], "output format", flag_values=fv)
+    flags.DEFINE_string(
+        "ops_platform",
+        None,
+        "resolve the op selection for this platform (cpu, gpu/cuda, tpu, ascend) instead of the current one",
+        flag_values=fv,
+    )
 
 
 def _builtin_table() -> list[dict[str, str]]:
@@ -74,15 +80,14 @@ def collect(fv: flags.FlagValues) -> dict[str, Any]:
         ),
     }
     out["engine"] = config_lib.config_to_dict(cfg)
-    out["ops"] = _ops_report(cfg)
+    out["ops"] = _ops_report(cfg, getattr(fv, "ops_platform", None))
     return out
 
 
-def _ops_report(cfg: config_lib.EngineConfig) -> dict[str, Any]:
-    """Which implementation each registered op would use here, under the configured backend."""
-    import jax
-
+def _ops_report(cfg: config_lib.EngineConfig, platform: str | None = None) -> dict[str, Any]:
+    """The op selection the engine makes under ``cfg.ops`` (``ops.resolve_selection``), as a dict."""
     from deepinfer_jax import ops
+    from deepinfer_jax.engine import llm  # noqa: F401  (registers every op the engine's step can call: `sample`, ...)
 
     if cfg.model is not None:
         # Model families register their own hot ops (attention cores, MoE experts) when imported.
@@ -90,21 +95,18 @@ def _ops_report(cfg: config_lib.EngineConfig) -> dict[str, Any]:
 
         with contextlib.suppress(NotImplementedError):  # a family whose model is not built yet
             registry.get_family(cfg.model.family)
-    platform = jax.default_backend()
-    chosen = {}
-    for name in ops.list_ops():
-        sel = ops.select_from(cfg.ops, name, platform=platform)
-        chosen[name] = {"backend": sel.backend, "reason": sel.reason}
-    return {"platform": platform, "backend": cfg.ops.backend, "selected": chosen}
+    return ops.resolve_selection(cfg.ops, platform=platform).as_dict()
 
 
 def main(argv: list[str], fv: flags.FlagValues) -> int:
     if len(argv) > 1:
         print(f"deepinfer-jax info: unexpected arguments {argv[1:]!r}", file=sys.stderr)
         return 2
+    from deepinfer_jax.ops.registry import BackendUnavailableError  # deferred: keeps --help free of jax
+
     try:
         report = collect(fv)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError, BackendUnavailableError) as e:
         print(f"deepinfer-jax info: error: {e}", file=sys.stderr)
         return 2
     if fv.format == "json":

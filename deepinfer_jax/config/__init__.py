@@ -16,6 +16,7 @@ from deepinfer_jax.config.ginparse import GinBinding, parse_gin
 from deepinfer_jax.config.loaders import (
     YAML_SECTIONS,
     load_config,
+    load_config_with_sources,
     load_model_config,
     load_yaml,
     parse_overrides,
@@ -79,6 +80,7 @@ __all__ = [
     "config_to_dict",
     "freeze",
     "load_config",
+    "load_config_with_sources",
     "load_model_config",
     "load_sweep",
     "load_yaml",

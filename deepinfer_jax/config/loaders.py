@@ -355,7 +355,31 @@ def load_config(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> EngineConfig:
-    """Build the :class:`EngineConfig` from all sources (priority in the module docstring).
+    """Build the :class:`EngineConfig` from all sources (priority in the module docstring); see
+    :func:`load_config_with_sources` for the arguments."""
+    config, _ = load_config_with_sources(
+        model,
+        yaml_path=yaml_path,
+        gin_files=gin_files,
+        gin_bindings=gin_bindings,
+        env=env,
+        overrides=overrides,
+    )
+    return config
+
+
+def load_config_with_sources(
+    model: str | Path | None = None,
+    *,
+    yaml_path: str | Path | None = None,
+    gin_files: Iterable[str | Path] = (),
+    gin_bindings: Iterable[str] | str = (),
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> tuple[EngineConfig, dict[str, str]]:
+    """:func:`load_config` and, for every tree field a source set, where its value came from
+    (``{"cache.block_size": "yaml file f.yaml", "seed": "environment variable DEEPINFER_X", ...}``; root fields
+    bare). Fields left at their defaults are absent.
 
     Without any model source the result has ``model=None``: engine settings only (enough for ``info`` and
     for checking a settings file); building a model from it is refused by
@@ -436,6 +460,7 @@ def load_config(
         root = settings.root_kwargs()
         if model_path is not None:
             root.setdefault("model_path", model_path)
-        return EngineConfig(model=model_cfg, **sections_built, **root)
+        config = EngineConfig(model=model_cfg, **sections_built, **root)
+        return config, {k: source for k, (_, source) in settings.values.items()}
     except (ConfigValueError, ConfigTypeError) as exc:
         raise _with_source(exc, settings) from None

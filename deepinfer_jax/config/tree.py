@@ -67,7 +67,8 @@ class CacheConfig(Checked):
         block_size: tokens per cache block (one of :data:`BLOCK_SIZES`; the reference fixes 128).
         memory_utilization: fraction of device memory the engine may use (weights, activations, caches).
         num_blocks: fixed number of cache blocks, overriding memory profiling (``None`` = profile).
-        state_slots_ratio: state slots = ``int(max_num_seqs * ratio) + 1`` (slot 0 is reserved).
+        state_slots_ratio: state slots = ``int(max_num_seqs * ratio) + 1`` (slot 0 is reserved); the engine
+            uses one slot per running sequence, so only 1.0 has an effect yet (docs/config.md).
         max_backtracking_tokens: rollback margin of the window/compression rings; the effective value is
             ``max(this, num_draft_tokens + 1)`` (:attr:`EngineConfig.backtracking_tokens`).
         store_extra_window_state / extra_window_tokens: enlarge the sliding-window rings by this many tokens so
@@ -79,7 +80,7 @@ class CacheConfig(Checked):
     block_size: int = 128
     memory_utilization: float = 0.9
     num_blocks: int | None = None
-    state_slots_ratio: float = 1.2
+    state_slots_ratio: float = 1.0
     max_backtracking_tokens: int = 0
     store_extra_window_state: bool = False
     extra_window_tokens: int = 128
@@ -118,8 +119,8 @@ class ParallelConfig(Checked):
         moe_load_stats_interval_steps: steps between MoE load-balance metric flushes.
         moe_force_imbalance_ratio: > 0 routes tokens with a synthetic imbalance of this ratio (>= 1); benchmarking.
         moe_force_uniform_routing: route every token uniformly at random; benchmarking.
-        engram_on_device: keep Engram tables in device memory (``None`` = the platform default: host memory,
-            device memory on Ascend).
+        engram_on_device: keep Engram tables in device memory (``None`` and ``True``: device memory, where the
+            engine keeps them; ``False``, host memory, is refused: not implemented).
     """
 
     _PREFIX: ClassVar[str] = "parallel"
@@ -177,10 +178,10 @@ class SchedulerConfig(Checked):
     Attributes:
         max_num_seqs: concurrently running sequences.
         max_num_batched_tokens: per-step token budget (``None`` = derived, :attr:`EngineConfig.max_num_batched_tokens`).
-        chunked_prefill: split long prompts over several steps.
+        chunked_prefill: split long prompts over several steps (always on in this engine; False is refused).
         lookahead_tokens: minimum prefill chunk length.
-        stop_preempted_requests: finish preempted requests instead of recomputing them.
-        async_scheduling: dispatch step N+1 before step N's tokens reach the host (spec/engine.md §5).
+        async_scheduling: dispatch step N+1 before step N's tokens reach the host; False processes every step
+            before scheduling the next.
         decode_bucket_interval: spacing of the compiled decode token buckets (powers of two below it, then its
             multiples).
         draft_bucket_interval: the same for draft-model request buckets.
@@ -199,9 +200,8 @@ class SchedulerConfig(Checked):
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    chunked_prefill: bool = False
+    chunked_prefill: bool = True
     lookahead_tokens: int = 0
-    stop_preempted_requests: bool = True
     async_scheduling: bool = True
     decode_bucket_interval: int = 8
     draft_bucket_interval: int = 8
@@ -321,6 +321,8 @@ class OpsConfig(Checked):
             :data:`OPS_BACKENDS`.
         overrides: per-op backend, ``{op_name: backend}``.
         strict: raise instead of falling back to the reference when a requested backend cannot run.
+        interpret: run the ``pallas_gpu`` kernels with the Pallas interpreter on any platform (CPU tests of a
+            model with the kernels selected; slow).
         batch_invariant: a request's numerics do not depend on the rest of the batch (fixed reduction orders).
         indexer_workspace_bytes: temporary-memory bound for chunking the sparse indexer's attention.
         kernel_cache_dir: where compiled kernels (Triton, CuteDSL) are cached; ``None`` = their default.
@@ -331,6 +333,7 @@ class OpsConfig(Checked):
     backend: str = "auto"
     overrides: Mapping[str, str] = field(default_factory=FrozenMapping)
     strict: bool = False
+    interpret: bool = False
     batch_invariant: bool = False
     indexer_workspace_bytes: int = 10 * _GIB
     kernel_cache_dir: str | None = None
@@ -382,7 +385,8 @@ class EngineConfig(Checked):
         served_model_name: the name reported by the server and in outputs.
         disable_log_stats: no periodic statistics logging.
         stats_log_interval_steps: steps between statistics log lines (<= 0 disables them).
-        gc_interval_steps: steps between explicit Python garbage collections (<= 0 leaves it to Python).
+        gc_interval_steps: > 0: automatic garbage collection is off while the engine runs and it collects every
+            this many steps; <= 0 leaves it to Python.
         transfer_guard: forbid implicit host<->device transfers inside the step (a debugging aid to switch off).
         profile_dir: where profiler traces are written (``None`` = profiling off).
     """
@@ -406,7 +410,7 @@ class EngineConfig(Checked):
     served_model_name: str = "deepinfer-model"
     disable_log_stats: bool = False
     stats_log_interval_steps: int = 100
-    gc_interval_steps: int = 1000
+    gc_interval_steps: int = 0
     transfer_guard: bool = True
     profile_dir: str | None = None
 
@@ -432,20 +436,6 @@ class EngineConfig(Checked):
             raise ConfigValueError(
                 f"speculative.confidence_temperature has {len(temps)} values but num_draft_tokens = {nextn}",
                 field="speculative.confidence_temperature",
-            )
-        sched = self.scheduler
-        decoding = self.max_num_decoding_tokens
-        if sched.max_num_batched_tokens is not None and sched.max_num_batched_tokens < decoding:
-            raise ConfigValueError(
-                f"scheduler.max_num_batched_tokens = {sched.max_num_batched_tokens}: must be >= max_num_seqs * "
-                f"(1 + num_draft_tokens) = {sched.max_num_seqs} * {1 + nextn} = {decoding}",
-                field="scheduler.max_num_batched_tokens",
-            )
-        if not sched.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ConfigValueError(
-                f"scheduler.max_num_batched_tokens = {self.max_num_batched_tokens}: must be >= max_model_len = "
-                f"{self.max_model_len} unless scheduler.chunked_prefill is on (a whole prompt must fit one step)",
-                field="scheduler.max_num_batched_tokens",
             )
         if self.prefill_max_sum_seqlen_k < self.prompt_limit:
             raise ConfigValueError(

@@ -9,8 +9,9 @@ on them.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from deepinfer_jax._lazy import lazy_exports
 
 # Exported lazily: the facade pulls in JAX, which the numpy-only scheduler side must not import.
 _LAZY: dict[str, str] = {
@@ -24,18 +25,7 @@ _LAZY: dict[str, str] = {
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams"]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
 
 
 if TYPE_CHECKING:

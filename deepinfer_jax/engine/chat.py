@@ -130,15 +130,20 @@ def split_conversations(messages: Any) -> list[Messages]:
 
 
 def chat_sampling_params(
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int, turn_end_id: int, eos_ids: Any
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    n: int,
+    turn_end_id: int,
+    eos_ids: Any,
+    default: SamplingParams | None = None,
 ) -> list[SamplingParams]:
     """One :class:`SamplingParams` per conversation, each stopping at the template's turn-end id.
 
     ``eos_ids`` are the ids the engine already stops at; ``turn_end_id`` is added to ``stop_token_ids`` only
-    when it is not one of them and the request does not ``ignore_eos``.
+    when it is not one of them and the request does not ``ignore_eos``. ``default`` is used when
+    ``sampling_params`` is ``None`` (the engine's configured defaults; ``SamplingParams()`` if not given).
     """
     if sampling_params is None:
-        params = [SamplingParams()] * n
+        params = [default if default is not None else SamplingParams()] * n
     elif isinstance(sampling_params, SamplingParams):
         params = [sampling_params] * n
     elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str | bytes):
@@ -207,7 +212,11 @@ def chat(
     version = chat_version_for(model_config.family, chat_version)
     encoder = chat_encoder(llm.tokenizer, model_config.vocab_size, version)
     params = chat_sampling_params(
-        sampling_params, len(conversations), encoder.marker_ids[DEEPSEEK_EOS_TOKEN], llm.eos_token_ids
+        sampling_params,
+        len(conversations),
+        encoder.marker_ids[DEEPSEEK_EOS_TOKEN],
+        llm.eos_token_ids,
+        llm.default_sampling_params(),
     )
     encoded: list[EncodedChat] = []
     for index, conversation in enumerate(conversations):

@@ -8,12 +8,15 @@ returns one :class:`~deepinfer_jax.engine.params.RequestOutput` per request, in 
 fails at run time (it can never fit the cache, or its logits are unusable) ends alone with
 ``finish_reason="error"``.
 
-Each model family runs through its :class:`~deepinfer_jax.engine.paged_model.PagedModel` (:func:`paged_model_for`).
+Each model family runs through its :class:`~deepinfer_jax.models.paged.PagedModel`, built by its
+:class:`~deepinfer_jax.models.registry.ModelFamily`. The engine always runs on a ``(dp, ep)`` mesh; one device is
+the ``(1, 1)`` mesh, with the same scheduler, plan, executor, step and runner.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import dataclasses
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -22,37 +25,36 @@ from typing import Any
 
 import jax
 from absl import logging
+from jax.experimental.compilation_cache import compilation_cache
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from deepinfer_jax.cache.paged import parse_bytes
-from deepinfer_jax.checkpoint.model_loading import DTYPES, load_model
-from deepinfer_jax.config import load_config
+from deepinfer_jax.cache.plan import plan_memory
+from deepinfer_jax.checkpoint.model_loading import DTYPES, Model, init_random, load_model
+from deepinfer_jax.config import load_config_with_sources
+from deepinfer_jax.config.status import check_settings, env_report, field_value
 from deepinfer_jax.engine import chat as _chat
 from deepinfer_jax.engine.buckets import step_buckets
 from deepinfer_jax.engine.mesh_eplb import MeshExpertBalancer
-from deepinfer_jax.engine.multi_device import (
-    MeshRunner,
-    MeshScheduler,
-    MeshStepExecutor,
-    device_share,
-    mesh_memory_plan,
-    shard_model,
-)
-from deepinfer_jax.engine.paged_model import PagedModel, plan_memory
 from deepinfer_jax.engine.params import RequestOutput, SamplingParams, validate_request
-from deepinfer_jax.engine.runner import EngineRunner, RunStats
+from deepinfer_jax.engine.runner import EngineRunner, RunnerOptions, RunStats
 from deepinfer_jax.engine.scheduler import Scheduler
-from deepinfer_jax.engine.step import StepExecutor, state_bytes
+from deepinfer_jax.engine.step import SamplerOptions, StepExecutor, state_bytes
 from deepinfer_jax.models import builtin
-from deepinfer_jax.parallel import distributed, mesh_from_config, slot_expert_layers
+from deepinfer_jax.models.registry import get_family
+from deepinfer_jax.ops.selection import resolve_selection
+from deepinfer_jax.parallel import distributed, mesh_from_config, shard_model_params, slot_expert_layers
+from deepinfer_jax.parallel.mesh import mesh_sizes
+from deepinfer_jax.parallel.model_parallel import place_on_mesh
+from deepinfer_jax.sampling.pipeline import LOGPROBS_MODES
 from deepinfer_jax.text.output_parser import ChatOutput
 from deepinfer_jax.text.tokenizer import Tokenizer
 
-__all__ = ["DEFAULT_CPU_CACHE_MEMORY", "LLM", "derive_seed", "paged_model_for"]
+__all__ = ["DEFAULT_CPU_CACHE_MEMORY", "LLM", "default_cache_memory", "derive_seed", "device_share"]
 
 DEFAULT_CPU_CACHE_MEMORY = 2 << 30
-"""``kv_cache_memory`` default on CPU (2 GiB); on an accelerator 90% of the memory left after the weights."""
+"""The most the default ``kv_cache_memory`` takes per device on the CPU (2 GiB; see :func:`default_cache_memory`)."""
 
-_SUPPORTED_FAMILIES = ("deepseek_v3", "deepseek_v4", "deepseek_v41")
 ARGUMENT_CONFIG_KEYS = {
     "dtype": "dtype",
     "kv_cache_dtype": "kv_cache_dtype",
@@ -65,7 +67,21 @@ ARGUMENT_CONFIG_KEYS = {
     "parallel.expert_parallel_size": "expert_parallel_size",
 }
 """Config names that LLM's own keyword arguments set (config name -> argument); giving them as overrides too
-would be ambiguous."""
+would be ambiguous. An argument left at ``None`` takes the config's value when a yaml, gin or ``DEEPINFER_*``
+source set it, else :data:`LLM_DEFAULTS`."""
+
+LLM_DEFAULTS: dict[str, Any] = {
+    "dtype": "bfloat16",
+    "kv_cache_dtype": "auto",
+    "max_model_len": None,  # the model's max_position_embeddings, capped by what one request can cache
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 2048,
+    "seed": 0,
+    "batch_invariant": False,
+    "data_parallel_size": 1,
+    "expert_parallel_size": 1,
+}
+"""What each of LLM's keyword arguments is when neither the call nor a config source sets it."""
 _MASK64 = (1 << 64) - 1
 
 
@@ -81,42 +97,26 @@ def derive_seed(seed: int, index: int) -> int:
     return z ^ (z >> 31)
 
 
-def check_kv_cache_dtype(family: str, dtype: str, kv_cache_dtype: str) -> str:
-    """The cache storage of ``family`` in precision ``dtype`` with the ``kv_cache_dtype`` override, or
-    ``ValueError`` naming the value and the choices."""
-    if family == "deepseek_v3":
-        from deepinfer_jax.cache.paged import latent_cache_dtype
+def device_share(total: int, num_devices: int) -> int:
+    """One device's share of a per-step budget of the whole ``LLM``: ``ceil(total / num_devices)``.
 
-        return latent_cache_dtype(dtype, kv_cache_dtype)
-    choices = ("auto", "float32", "bfloat16")
-    if kv_cache_dtype not in choices:
-        raise ValueError(
-            f"kv_cache_dtype: {kv_cache_dtype!r} is not supported for {family}; expected one of {choices} "
-            "('bfloat16' stores the production formats: MXFP8 window, FP4/MXFP8 compressed, MXFP4 indexer keys)"
-        )
-    return dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-
-
-def paged_model_for(model: Any, *, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> PagedModel:
-    """The engine's view of a loaded model (``load_model``'s result): its caches and ragged-batch forward.
-
-    ``dtype`` is the precision mode; ``kv_cache_dtype`` (``"auto"`` follows it) picks the cache storage.
+    Rounding up keeps every device's budget at least 1 and the mesh's combined budget at least ``total``.
     """
-    family = str(getattr(model.config.family, "value", model.config.family))
-    storage = check_kv_cache_dtype(family, dtype, kv_cache_dtype)
-    if family == "deepseek_v3":
-        from deepinfer_jax.engine.paged_v3 import V3PagedModel
+    return -(-total // num_devices)
 
-        return V3PagedModel(model.config, block_size, storage)
-    if family == "deepseek_v4":
-        from deepinfer_jax.engine.paged_v4 import V4PagedModel
 
-        return V4PagedModel.create(model, block_size=block_size, dtype=dtype, cache_dtype=storage)
-    if family == "deepseek_v41":
-        from deepinfer_jax.engine.paged_v41 import V41PagedModel
-
-        return V41PagedModel.create(model, block_size=block_size, dtype=dtype, cache_dtype=storage)
-    raise NotImplementedError(f"model: the engine has no paged caches for model family {family!r}")
+def config_replace(config: Any, values: dict[str, Any]) -> Any:
+    """``config`` with dotted fields set (root fields bare), each section re-validated."""
+    sections: dict[str, dict[str, Any]] = {}
+    root: dict[str, Any] = {}
+    for name, value in values.items():
+        if "." in name:
+            section, field = name.split(".")
+            sections.setdefault(section, {})[field] = value
+        else:
+            root[name] = value
+    changes = {k: dataclasses.replace(getattr(config, k), **v) for k, v in sections.items()}
+    return dataclasses.replace(config, **changes, **root)
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -163,50 +163,32 @@ def _resolve_tokenizer(tokenizer: Any, model_dir: Path) -> Tokenizer | None:
     return Tokenizer.from_file(path)
 
 
-def _default_cache_memory(params: Any, num_devices: int = 1) -> int:
-    """The default ``kv_cache_memory`` of the whole ``LLM``: on CPU :data:`DEFAULT_CPU_CACHE_MEMORY`; on an
-    accelerator 90% of what the first device has left after the weights, once per device of the mesh."""
-    device = jax.devices()[0]
-    if device.platform == "cpu":
-        return DEFAULT_CPU_CACHE_MEMORY
-    stats = device.memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    if not limit:
-        return DEFAULT_CPU_CACHE_MEMORY
-    used = stats.get("bytes_in_use", sum(x.nbytes for x in jax.tree.leaves(params)))
-    return max(int(0.9 * (limit - used)), 1) * num_devices
+def default_cache_memory(
+    layout: Any,
+    *,
+    params: Any,
+    num_devices: int,
+    max_num_seqs: int,
+    num_slots: int,
+    reserved_bytes: int,
+    tokens_per_seq: int,
+    memory_utilization: float,
+    memory_stats: dict[str, int] | None = None,
+) -> int:
+    """The default ``kv_cache_memory`` of the whole ``LLM``.
 
-
-def check_parallel_support(cfg: Any) -> None:
-    """Refuse ``parallel.*`` settings the engine would otherwise ignore, naming the field and what works.
-
-    Context-parallel prefill, the synthetic routing knobs of DeepInfer's profiling (``moe_force_*``) and Engram
-    tables in host memory are not built; the engine keeps Engram tables on the device (``engram_on_device``
-    ``None`` or ``True``).
+    On an accelerator (``memory_stats`` reports a ``bytes_limit``): ``memory_utilization`` of the first device's
+    memory minus what is in use after the weights, once per device of the mesh. Elsewhere (the CPU): what one
+    device needs for ``max_num_seqs`` sequences of ``tokens_per_seq`` tokens each -- their blocks, the reserved
+    block, the state slots and the sampling state -- capped at :data:`DEFAULT_CPU_CACHE_MEMORY`, once per device.
     """
-    refused = []
-    if cfg.context_parallel_size != 1:
-        refused.append(
-            f"parallel.context_parallel_size = {cfg.context_parallel_size}: context-parallel prefill is not "
-            "implemented; only 1 is supported"
-        )
-    if cfg.moe_force_imbalance_ratio != 0.0:
-        refused.append(
-            f"parallel.moe_force_imbalance_ratio = {cfg.moe_force_imbalance_ratio}: synthetic MoE routing is not "
-            "implemented; only 0 (the model's own routing) is supported"
-        )
-    if cfg.moe_force_uniform_routing:
-        refused.append(
-            "parallel.moe_force_uniform_routing = True: synthetic MoE routing is not implemented; only False "
-            "is supported"
-        )
-    if cfg.engram_on_device is False:
-        refused.append(
-            "parallel.engram_on_device = False: Engram tables in host memory are not implemented; the engine "
-            "keeps them in device memory (None or True)"
-        )
-    if refused:
-        raise ValueError("; ".join(refused))
+    limit = (memory_stats or {}).get("bytes_limit")
+    if limit:
+        used = (memory_stats or {}).get("bytes_in_use", sum(x.nbytes for x in jax.tree.leaves(params)))
+        return max(int(memory_utilization * limit - used), 1) * num_devices
+    blocks = max_num_seqs * -(-tokens_per_seq // layout.block_size) + 1
+    need = blocks * layout.bytes_per_block + num_slots * layout.bytes_per_slot + reserved_bytes
+    return min(need, DEFAULT_CPU_CACHE_MEMORY) * num_devices
 
 
 def host_device() -> jax.Device | None:
@@ -217,18 +199,26 @@ def host_device() -> jax.Device | None:
         return None
 
 
-def _load_for(model_dir: Path, dtype: str, mesh: Any) -> Any:
+def _load_for(model_dir: Path, dtype: str, mesh: Mesh, config: Any) -> Model:
     """The model's parameters, read where the engine lays them out from.
 
-    On one device they go straight to the default device. On a mesh they are read and assembled in host memory
-    (the CPU device) with the routed experts deferred (:mod:`deepinfer_jax.checkpoint.deferred`), and
-    :func:`~deepinfer_jax.engine.multi_device.shard_model` then reads the experts of this process's slots and
-    copies to each device only what it holds: its ``P / ep`` expert slots and the replicated rest. No
-    accelerator holds the whole model, and no process reads the experts of other processes' devices. Without a CPU backend (``JAX_PLATFORMS`` naming only an accelerator) the default device is used,
-    with a warning.
+    On one device they go straight to that device. On a mesh of several devices they are read and assembled in
+    host memory (the CPU device), with the routed experts deferred when they will be sharded over ``ep > 1``
+    (:mod:`deepinfer_jax.checkpoint.deferred`): :func:`_lay_out` then reads the experts of this process's slots
+    and copies to each device only what it holds. No accelerator holds the whole model, and no process reads the
+    experts of other processes' devices. Without a CPU backend (``JAX_PLATFORMS`` naming only an accelerator)
+    the default device is used, with a warning. With ``load_format = "dummy"`` no checkpoint is read: the
+    parameters are the family's random parameters at the config's shapes (seeded by ``seed``).
     """
-    if mesh is None:
-        return load_model(model_dir, dtype)
+    if config.load_format == "dummy":
+        cfg = config.require_model("load_format='dummy'")
+        family = get_family(str(getattr(cfg.family, "value", cfg.family)))
+        device = mesh.devices.flat[0] if mesh.devices.size == 1 else host_device() or mesh.devices.flat[0]
+        with jax.default_device(device):
+            return Model(cfg, init_random(cfg, config.seed % (1 << 32), dtype), family, dtype, None)
+    if mesh.devices.size == 1:
+        with jax.default_device(mesh.devices.flat[0]):
+            return load_model(model_dir, dtype)
     host = host_device()
     if host is None:
         logging.warning(
@@ -237,10 +227,32 @@ def _load_for(model_dir: Path, dtype: str, mesh: Any) -> Any:
             os.environ.get("JAX_PLATFORMS"),
         )
         return load_model(model_dir, dtype)
+    _, ep = mesh_sizes(mesh)
     with jax.default_device(host):
         return load_model(
-            model_dir, dtype, sharding=jax.sharding.SingleDeviceSharding(host), defer_experts=True
+            model_dir, dtype, sharding=jax.sharding.SingleDeviceSharding(host), defer_experts=ep > 1
         )
+
+
+def _lay_out(model: Model, mesh: Mesh, *, extra: int = 0) -> Model:
+    """``model`` with its parameters on ``mesh``: with ``ep > 1`` the routed experts in ``ep``-sharded slots
+    (``extra`` redundant ones per layer, :func:`~deepinfer_jax.parallel.shard_model_params`), everything else
+    replicated. One device needs no layout; with ``ep = 1`` every device holds every expert, so the MoE layers
+    run locally, without a collective."""
+    dp, ep = mesh_sizes(mesh)
+    if dp * ep == 1:
+        return model
+    if ep == 1:
+        replicated = NamedSharding(mesh, PartitionSpec())
+        params = jax.tree.map(lambda a: place_on_mesh(a, replicated), model.params)
+    elif model.family.logical_axes is None:
+        raise NotImplementedError(
+            f"expert_parallel_size: model family {model.family.name!r} has no logical parameter axes, so its "
+            "experts cannot be sharded over a mesh; use 1"
+        )
+    else:
+        params = shard_model_params(model.params, model.family.logical_axes(model.params), mesh, extra=extra)
+    return Model(model.config, params, model.family, model.dtype, model.path)
 
 
 class LLM:
@@ -252,20 +264,30 @@ class LLM:
       folder's
         own; a folder without one still runs token-id prompts (``text`` stays ``""``).
       dtype: ``"float32"`` (parity mode) or ``"bfloat16"`` (production mode).
-      kv_cache_dtype: ``"auto"`` (follow ``dtype``), ``"float32"`` (unquantised) or ``"bfloat16"`` (V3: bf16
-        latents; V4/V4.1: the production formats of ARCHITECTURE §8).
+      kv_cache_dtype: ``"auto"`` (follow ``dtype``: float32 in parity mode; in production mode bf16 latents for
+        V3 and the record formats for V4/V4.1), ``"float32"`` / ``"bfloat16"`` (unquantised caches of that dtype)
+        or ``"quantized"`` (V3: the FP8 latent record; V4/V4.1: MXFP8 window, FP4 compressed, MXFP4 indexer keys).
       max_model_len: most tokens (prompt + output) per request; default the model's
         ``max_position_embeddings``, capped by what the cache holds for one request (logged when capped).
       max_num_seqs: most sequences per step and holding cache at once.
       max_num_batched_tokens: most tokens per step (chunked prefill splits longer prompts).
-      kv_cache_memory: bytes (int) or a string such as ``"2GiB"`` for the cache and per-sequence state.
+      kv_cache_memory: bytes (int) or a string such as ``"2GiB"`` for the cache and per-sequence state; default
+        :func:`default_cache_memory`.
       seed: derives the seed of every request without ``seq_seed`` (with the request's index).
-      batch_invariant: sampling results of a row independent of the batch (``None``-like default: the config's
-        ``ops.batch_invariant``, e.g. ``DEEPINFER_BATCH_INVARIANT=1``, applies when this is False).
-      data_parallel_size, expert_parallel_size: the ``(dp, ep)`` mesh over ``dp * ep`` devices (ARCHITECTURE
-        §5): each device runs its own sequences, routed experts are sharded over ``ep``. On a mesh,
-        ``kv_cache_memory``, ``max_num_seqs`` and ``max_num_batched_tokens`` are still those of the whole
-        ``LLM``; each device gets its share (:mod:`deepinfer_jax.engine.multi_device`).
+      batch_invariant: a request's results do not depend on the rest of its batch.
+      data_parallel_size, expert_parallel_size: the ``(dp, ep)`` mesh over ``dp * ep`` devices: each device runs
+        its own sequences, routed experts are sharded over ``ep``. On a mesh, ``kv_cache_memory``,
+        ``max_num_seqs`` and ``max_num_batched_tokens`` are still those of the whole ``LLM``; each device gets
+        its share (:func:`device_share`). One device is the ``(1, 1)`` mesh: the same engine (docs/engine.md,
+        "One engine path").
+
+      Every keyword argument left at ``None`` takes the value a ``DEEPINFER_*`` variable set (the same config
+      field), else :data:`LLM_DEFAULTS`. Settings are checked before any weight is read
+      (:func:`~deepinfer_jax.config.status.check_settings`: refused values raise, values without effect warn).
+      logprobs_mode: what every reported logprob is (vLLM's engine argument): ``"raw_logprobs"`` (default: the
+        log-softmax of the model's logits, before penalties, masks, temperature and top-k/top-p),
+        ``"raw_logits"`` (those logits), ``"processed_logprobs"`` (after penalties, masks, temperature and
+        top-k/top-p; tokens those remove read -9999) or ``"processed_logits"`` (the logits after the same).
       **engine_overrides: dotted config names (``{"cache.block_size": 16}``), as :func:`load_config` takes.
     """
 
@@ -273,35 +295,21 @@ class LLM:
         self,
         model: str | os.PathLike[str],
         tokenizer: str | os.PathLike[str] | Tokenizer | None = None,
-        dtype: str = "bfloat16",
-        kv_cache_dtype: str = "auto",
+        dtype: str | None = None,
+        kv_cache_dtype: str | None = None,
         max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
         kv_cache_memory: int | str | None = None,
-        seed: int = 0,
-        batch_invariant: bool = False,
-        data_parallel_size: int = 1,
-        expert_parallel_size: int = 1,
+        seed: int | None = None,
+        batch_invariant: bool | None = None,
+        data_parallel_size: int | None = None,
+        expert_parallel_size: int | None = None,
+        logprobs_mode: str = "raw_logprobs",
         **engine_overrides: Any,
     ) -> None:
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype: {dtype!r} is not a precision mode; expected one of {DTYPES}")
-        max_num_seqs = _check_int("max_num_seqs", max_num_seqs, 1)
-        max_num_batched_tokens = _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-        seed = _check_int("seed", seed, 0)
-        if seed >= 1 << 64:
-            raise ValueError(f"seed: must be < 2**64, got {seed}")
-        if max_model_len is not None:
-            max_model_len = _check_int("max_model_len", max_model_len, 2)
-        if not isinstance(batch_invariant, bool):
-            raise TypeError(f"batch_invariant: expected a bool, got {type(batch_invariant).__name__}")
-        for name, value in (
-            ("data_parallel_size", data_parallel_size),
-            ("expert_parallel_size", expert_parallel_size),
-        ):
-            _check_int(name, value, 1)
-        num_devices = data_parallel_size * expert_parallel_size
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode: {logprobs_mode!r} is not one of {LOGPROBS_MODES}")
         for key in engine_overrides:
             if key.startswith("model."):
                 raise ValueError(
@@ -312,38 +320,81 @@ class LLM:
                     f"engine_overrides: {key!r} is the LLM argument {ARGUMENT_CONFIG_KEYS[key]!r}; pass it as that"
                 )
         budget = None if kv_cache_memory is None else parse_bytes(kv_cache_memory)
-
         model_dir = _resolve_model(model)
-        overrides: dict[str, Any] = {
+        config, sources = load_config_with_sources(model_dir, overrides=engine_overrides)
+        # A keyword argument wins; else a value set by yaml / gin / DEEPINFER_*; else LLM's own default.
+        args = {
             "dtype": dtype,
             "kv_cache_dtype": kv_cache_dtype,
+            "max_model_len": max_model_len,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
             "seed": seed,
-            "speculative.num_draft_tokens": 0,
-            "scheduler.chunked_prefill": True,
-            "scheduler.max_num_seqs": min(max_num_seqs, max_num_batched_tokens),
-            "scheduler.max_num_batched_tokens": max_num_batched_tokens,
-            "ops.batch_invariant": True if batch_invariant else None,
-            "parallel.data_parallel_size": data_parallel_size,
-            "parallel.expert_parallel_size": expert_parallel_size,
-            **engine_overrides,
+            "batch_invariant": batch_invariant,
+            "data_parallel_size": data_parallel_size,
+            "expert_parallel_size": expert_parallel_size,
         }
-        config = load_config(model_dir, overrides=overrides)
-        family = str(getattr(config.require_model("LLM").family, "value", config.model.family))
-        if family not in _SUPPORTED_FAMILIES:
-            raise NotImplementedError(f"model: the engine has no paged caches for model family {family!r}")
-        check_kv_cache_dtype(family, dtype, kv_cache_dtype)  # before any weight is read
-        check_parallel_support(config.parallel)
+        given = {}
+        for field, name in ARGUMENT_CONFIG_KEYS.items():
+            if args[name] is not None:
+                given[field] = args[name]
+            elif field in sources:
+                args[name] = field_value(config, field)
+            else:
+                args[name] = LLM_DEFAULTS[name]
+        dtype, kv_cache_dtype, max_model_len = args["dtype"], args["kv_cache_dtype"], args["max_model_len"]
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: {dtype!r} is not a precision mode; expected one of {DTYPES}")
+        max_num_seqs = _check_int("max_num_seqs", args["max_num_seqs"], 1)
+        max_num_batched_tokens = _check_int("max_num_batched_tokens", args["max_num_batched_tokens"], 1)
+        seed = _check_int("seed", args["seed"], 0)
+        if seed >= 1 << 64:
+            raise ValueError(f"seed: must be < 2**64, got {seed}")
+        if max_model_len is not None:
+            max_model_len = _check_int("max_model_len", max_model_len, 2)
+        if not isinstance(args["batch_invariant"], bool):
+            raise TypeError(f"batch_invariant: expected a bool, got {type(args['batch_invariant']).__name__}")
+        for name in ("data_parallel_size", "expert_parallel_size"):
+            _check_int(name, args[name], 1)
+        num_devices = args["data_parallel_size"] * args["expert_parallel_size"]
+        resolved = {
+            **{f: args[n] for f, n in ARGUMENT_CONFIG_KEYS.items() if f != "max_model_len"},
+            "scheduler.max_num_seqs": min(max_num_seqs, max_num_batched_tokens),
+        }
+        if max_model_len is not None:
+            resolved["max_model_len"] = max_model_len
+        config = config_replace(config, resolved)
+        sources = {**sources, **{f: f"LLM argument {ARGUMENT_CONFIG_KEYS[f]}" for f in given}}
+        for line in env_report():
+            logging.info("%s", line)
+        check_settings(config, sources)  # refused values raise, values without effect warn
+        family = get_family(str(getattr(config.require_model("LLM").family, "value", config.model.family)))
+        cache_storage, _ = family.engine_support()
+        cache_storage(dtype, kv_cache_dtype)  # before any weight is read
         # A multi-process run joins its peers before anything touches a JAX backend; then the mesh, before any
         # weight is read (more devices than exist is a ValueError naming both sizes).
         distributed.initialize(config.parallel)
-        mesh = mesh_from_config(config.parallel) if num_devices > 1 else None
-        if mesh is None and distributed.is_multi_process(config.parallel):
+        mesh = mesh_from_config(config.parallel)
+        if num_devices == 1 and distributed.is_multi_process(config.parallel):
             raise ValueError(
                 f"parallel.num_processes = {config.parallel.num_processes}: a multi-process run needs a mesh over "
                 "the devices of every process; set data_parallel_size * expert_parallel_size to their number"
             )
+        if config.ops.kernel_cache_dir is not None:
+            # Process-wide: JAX keeps one persistent compilation cache per process.
+            jax.config.update("jax_compilation_cache_dir", str(config.ops.kernel_cache_dir))
+            compilation_cache.reset_cache()
+        if tokenizer is None and config.tokenizer is not None:
+            tokenizer = config.tokenizer
         self.config = config
-        self.model = _load_for(model_dir, dtype, mesh)
+        self.mesh = mesh
+        # Before any weight is read: ops.strict refuses a backend that cannot run here.
+        self.op_selection = resolve_selection(config.ops, platform=mesh.devices.flat[0].platform)
+        """Which implementation every op of the step runs (``ops.backend`` / ``ops.overrides`` / ``ops.strict``)."""
+        self.op_selection.log()
+        self.model = _lay_out(
+            _load_for(model_dir, dtype, mesh, config), mesh, extra=config.parallel.eplb_num_redundant_experts
+        )
         cfg = self.model.config
         self.tokenizer = _resolve_tokenizer(tokenizer, model_dir)
         eos = cfg.eos_token_id
@@ -352,21 +403,31 @@ class LLM:
         )
         self.seed = seed
         self.batch_invariant = bool(config.ops.batch_invariant)
-        self.mesh = mesh
-        if mesh is not None:
-            self.model = shard_model(self.model, mesh, extra=config.parallel.eplb_num_redundant_experts)
-            # From here on the budgets are one device's (engine/multi_device.py).
-            max_num_seqs = device_share(max_num_seqs, num_devices)
-            max_num_batched_tokens = device_share(max_num_batched_tokens, num_devices)
+        # From here on the budgets are one device's (docs/engine.md, "budgets on a mesh").
+        max_num_seqs = device_share(max_num_seqs, num_devices)
+        max_num_batched_tokens = device_share(max_num_batched_tokens, num_devices)
 
         num_slots = max_num_seqs + 1
-        self.paged_model = paged_model_for(
+        _, paged_model = self.model.family.engine_support()
+        self.paged_model = paged_model(
             self.model, block_size=config.cache.block_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype
         )
         if budget is None:
-            budget = _default_cache_memory(self.model.params, num_devices)
+            device = mesh.devices.flat[0]
+            stats = device.memory_stats() if device.platform != "cpu" else None
+            budget = default_cache_memory(
+                self.paged_model.layout(),
+                params=self.model.params,
+                num_devices=num_devices,
+                max_num_seqs=max_num_seqs,
+                num_slots=num_slots,
+                reserved_bytes=state_bytes(num_slots, cfg.vocab_size),
+                tokens_per_seq=max_model_len or cfg.max_position_embeddings or 4096,
+                memory_utilization=config.cache.memory_utilization,
+                memory_stats=stats,
+            )
         try:
-            self.memory_plan = plan_memory(
+            plan = plan_memory(
                 self.paged_model.layout(),
                 budget // num_devices,
                 num_slots=num_slots,
@@ -374,21 +435,25 @@ class LLM:
                 num_blocks=config.cache.num_blocks,
             )
         except ValueError as err:
-            if mesh is None:
+            if num_devices == 1:
                 raise
             raise ValueError(
                 f"{err} (on the mesh, kv_cache_memory = {budget} B is split over {num_devices} devices: "
                 f"{budget // num_devices} B each)"
             ) from None
-        if mesh is not None:
-            self.memory_plan = mesh_memory_plan(
-                self.memory_plan,
-                mesh=mesh,
-                total_budget_bytes=budget,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                params=self.model.params,
-            )
+        dp, ep = mesh_sizes(mesh)
+        self.memory_plan = dataclasses.replace(
+            plan,
+            dp=dp,
+            ep=ep,
+            total_budget_bytes=budget,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            expert_slots=tuple(
+                (path, layer.num_experts, layer.num_slots)
+                for path, layer in slot_expert_layers(self.model.params).items()
+            ),
+        )
         spec = self.memory_plan.spec
         logging.info("%s", self.memory_plan.describe())
         capacity = spec.usable_tokens + 1  # the last sampled token never enters the cache
@@ -411,9 +476,8 @@ class LLM:
             )
         self.max_model_len = max_model_len
         max_blocks = -(-(max_model_len - 1) // spec.block_size)
-        buckets = step_buckets(max_num_batched_tokens, max_num_seqs)
-        make_scheduler = functools.partial(
-            Scheduler,
+        self.scheduler = Scheduler(
+            num_devices=num_devices,
             num_blocks=spec.num_blocks,
             block_size=spec.block_size,
             max_num_seqs=max_num_seqs,
@@ -423,55 +487,47 @@ class LLM:
             eos_token_ids=self.eos_token_ids,
             num_state_slots=num_slots,
             max_blocks_per_seq=max_blocks,
-            buckets=buckets,
+            buckets=step_buckets(max_num_batched_tokens, max_num_seqs),
             tokenizer=self.tokenizer,
             min_bucket_fill=config.scheduler.min_bucket_fill,
+            banned_token_ids=config.sampling.banned_token_ids,
         )
         self.last_stats: RunStats | None = None
         self.expert_balancer: MeshExpertBalancer | None = None
         """EPLB of a mesh with ``expert_parallel_size > 1`` (:mod:`deepinfer_jax.engine.mesh_eplb`), else None."""
         self._next_id = 0
-        if mesh is not None:
-            self._start_mesh(mesh, make_scheduler, num_blocks=spec.num_blocks, num_slots=num_slots)
-            return
-        self.scheduler = make_scheduler()
+        # EPLB and the moe_lb statistics need an expert-parallel group (ep > 1) with slot-layout MoE layers.
+        parallel = config.parallel
+        if ep > 1 and slot_expert_layers(self.model.params):
+            self.expert_balancer = MeshExpertBalancer(parallel, self.model.params, mesh)
+        elif parallel.eplb_interval_steps:
+            logging.info("parallel.eplb_interval_steps is set but expert_parallel_size = 1: EPLB stays off")
         self.executor = StepExecutor(
             self.model.params,
             self.paged_model,
+            mesh,
             num_blocks=spec.num_blocks,
             num_slots=num_slots,
             max_blocks_per_seq=max_blocks,
             batch_invariant=self.batch_invariant,
+            expert_counts=self.expert_balancer is not None,
+            selection=self.op_selection,
+            sampler=SamplerOptions(
+                logprobs_mode=logprobs_mode,
+                force_top_k=config.sampling.force_top_k,
+                sum_smaller=config.sampling.compute_sum_smaller_probs,
+            ),
+        )
+        self.logprobs_mode = logprobs_mode
+        """What reported logprobs are (:data:`~deepinfer_jax.sampling.LOGPROBS_MODES`)."""
+        options = RunnerOptions(
+            async_scheduling=config.scheduler.async_scheduling,
+            stats_log_interval_steps=0 if config.disable_log_stats else config.stats_log_interval_steps,
+            gc_interval_steps=config.gc_interval_steps,
+            transfer_guard=config.transfer_guard,
         )
         self.runner = EngineRunner(
-            self.scheduler, self.executor, vocab_size=cfg.vocab_size, eos_token_ids=self.eos_token_ids
-        )
-
-    def _start_mesh(self, mesh: Any, make_scheduler: Any, *, num_blocks: int, num_slots: int) -> None:
-        """The engine on a mesh: one scheduler per device behind a router, one global step, its runner."""
-        self.scheduler = MeshScheduler([make_scheduler() for _ in range(mesh.devices.size)])
-        # EPLB and the moe_lb statistics need an expert-parallel group (spec/engine.md §11.3: ep > 1).
-        parallel = self.config.parallel
-        if parallel.expert_parallel_size > 1 and slot_expert_layers(self.model.params):
-            self.expert_balancer = MeshExpertBalancer(parallel, self.model.params, mesh)
-        elif parallel.eplb_interval_steps:
-            logging.info("parallel.eplb_interval_steps is set but expert_parallel_size = 1: EPLB stays off")
-        self.executor = MeshStepExecutor(
-            self.model.params,
-            self.paged_model,
-            mesh,
-            num_blocks=num_blocks,
-            num_slots=num_slots,
-            max_blocks_per_seq=self.scheduler.max_blocks_per_seq,
-            batch_invariant=self.batch_invariant,
-            expert_counts=self.expert_balancer is not None,
-        )
-        self.runner = MeshRunner(
-            self.scheduler,
-            self.executor,
-            vocab_size=self.model.config.vocab_size,
-            eos_token_ids=self.eos_token_ids,
-            balancer=self.expert_balancer,
+            self.scheduler, self.executor, balancer=self.expert_balancer, options=options
         )
 
     # -------------------------------------------------------------------------------------- inputs
@@ -511,9 +567,17 @@ class LLM:
             raise ValueError("prompt_token_ids: the list of prompts is empty")
         return [None] * len(ids), list(ids)
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request given no ``SamplingParams`` uses: the config's ``sampling.temperature``, ``top_p``,
+        ``top_k`` and ``max_tokens`` (the defaults of ``SamplingParams()`` unless a source changed them)."""
+        s = self.config.sampling
+        return SamplingParams(
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens
+        )
+
     def _sampling_params(self, sampling_params: Any, n: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * n
+            return [self.default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         if not isinstance(sampling_params, Sequence):
@@ -567,10 +631,13 @@ class LLM:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(request_ids), desc="generate", unit="req", dynamic_ncols=True)
+        profile = self.config.profile_dir
+        trace = jax.profiler.trace(profile) if profile is not None else contextlib.nullcontext()
         try:
-            outputs, stats = self.runner.run(
-                on_finished=(lambda _: bar.update(1)) if bar is not None else None
-            )
+            with trace:
+                outputs, stats = self.runner.run(
+                    on_finished=(lambda _: bar.update(1)) if bar is not None else None
+                )
         finally:
             if bar is not None:
                 bar.close()

@@ -1,7 +1,7 @@
 """EPLB inside the engine loop: each global step's expert counts in, re-placed expert slots out.
 
 The balancing itself is :mod:`deepinfer_jax.parallel.eplb` (spec/engine.md §11.3). This module connects it to a
-running mesh engine (:mod:`deepinfer_jax.engine.multi_device`):
+running engine on a mesh with ``ep > 1`` (:mod:`deepinfer_jax.engine.runner`):
 
 * **Counts.** The mesh step, built with ``expert_counts=True``, returns the rows each device's local slots
   received in every MoE layer, all layers in one array (one transfer per step; padding tokens are routed
@@ -21,7 +21,7 @@ placements each step was dispatched with (:meth:`MeshExpertBalancer.snapshot`) a
 step's slot counts to logical expert loads with them.
 
 What counts as a prefill step (skipped unless ``parallel.eplb_after_prefill``): a step in which no device runs
-a decode row (a row of one token). Steps that mix prefill chunks and decode rows count: their load is what the
+a decode row (one output token fed to sample the next, ``StepPlan.is_prefill``). Steps that mix prefill chunks and decode rows count: their load is what the
 experts serve.
 """
 
@@ -114,7 +114,7 @@ class MeshExpertBalancer:
         return tuple(self._num_slots)
 
     def split(self, counts: Any) -> dict[str, np.ndarray]:
-        """One step's counts of :func:`~deepinfer_jax.engine.multi_device.mesh_step`, ``[dp * ep, Σ P / ep]``
+        """One step's ``StepOutput.expert_counts`` (:func:`~deepinfer_jax.engine.step.step`), ``[dp * ep, Σ P / ep]``
         (layers side by side in tree order), as ``{layer path: [dp * ep, P / ep]}``."""
         c = np.asarray(counts, np.int64)
         widths = [slots // self.ep for slots in self._num_slots.values()]

@@ -66,12 +66,57 @@ def _int(name: str, value: Any) -> int:
 
 
 def _optional_logprobs(name: str, value: Any) -> int | None:
-    if value is None:
+    """vLLM's int (top-n alternatives besides the chosen token) or DeepInfer's bool (``True`` = the chosen
+    token only, ``False`` = none), told apart with ``isinstance(value, bool)``."""
+    if value is None or value is False or value is np.False_:
         return None
+    if value is True or value is np.True_:
+        return 0
     n = _int(name, value)
     if not 0 <= n <= MAX_LOGPROBS:
-        raise ValueError(f"SamplingParams.{name} = {n} must be None or in [0, {MAX_LOGPROBS}]")
+        raise ValueError(f"SamplingParams.{name} = {n} must be None, a bool, or in [0, {MAX_LOGPROBS}]")
     return n
+
+
+def _logprobs(logprobs: Any, top_logprobs: Any) -> int | None:
+    """The number of alternatives to report (``None`` = no logprobs) from vLLM's ``logprobs`` int or DeepInfer's
+    ``logprobs: bool`` with ``top_logprobs: int``."""
+    n = _optional_logprobs("logprobs", logprobs)
+    if top_logprobs is None:
+        return n
+    top = _int("top_logprobs", top_logprobs)
+    if not 0 <= top <= MAX_LOGPROBS:
+        raise ValueError(f"SamplingParams.top_logprobs = {top} must be in [0, {MAX_LOGPROBS}]")
+    if isinstance(logprobs, bool | np.bool_) or logprobs is None:
+        # DeepInfer's spelling: logprobs=True (or unset) with top_logprobs=k reports k alternatives.
+        if logprobs is False and top:
+            raise ValueError(
+                f"SamplingParams.top_logprobs = {top} needs logprobs; logprobs=False asks for none"
+            )
+        return top if (logprobs is not False) else None
+    if n != top:
+        raise ValueError(
+            f"SamplingParams.logprobs = {n} and top_logprobs = {top} differ; give one (vLLM's int logprobs, or "
+            "logprobs=True with top_logprobs)"
+        )
+    return n
+
+
+def _token_list(name: str, ids: Any) -> tuple[int, ...] | None:
+    if ids is None:
+        return None
+    if isinstance(ids, str | bytes | bytearray | Mapping) or not isinstance(ids, Iterable):
+        raise TypeError(f"SamplingParams.{name} must be a list of int or None, got {type(ids).__name__}")
+    out = []
+    for i, value in enumerate(ids):
+        if not _is_int(value):
+            raise TypeError(
+                f"SamplingParams.{name}[{i}] must be an int, got {type(value).__name__} ({value!r})"
+            )
+        if value < 0:
+            raise ValueError(f"SamplingParams.{name}[{i}] = {int(value)} must be a token id >= 0")
+        out.append(int(value))
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -93,8 +138,13 @@ class SamplingParams:
     ``stop``                    None    a string or a list of non-empty strings, matched on the text
     ``stop_token_ids``          None    a list of token ids (checked against the vocabulary per request)
     ``ignore_eos``              False   bool
-    ``logprobs``                None    None or 0..20 alternatives (plus the chosen token)
-    ``prompt_logprobs``         None    None or 0..20
+    ``logprobs``                None    None, 0..20 alternatives (plus the chosen token), or a bool: True = the
+                                        chosen token only (with ``top_logprobs`` alternatives), False = none
+    ``top_logprobs``            None    None or 0..20 (DeepInfer's spelling, with ``logprobs=True``)
+    ``prompt_logprobs``         None    None, 0..20, or a bool (True = the prompt token only)
+    ``golden_token_ids``        None    teacher forcing: output token ``o`` is ``golden_token_ids[o]`` (while the
+                                        list lasts) and its logprob is reported; ids inside the vocabulary
+    ``first_n_token_no_eos``    0       >= 0: EOS cannot be sampled as one of the first n output tokens
     ``seq_seed`` (``seed``)     None    [0, 2**64); None = derived from ``LLM(seed=)`` and the request index
     ``so_args``                 None    structured outputs arrive in a later release: must be None
     ==========================  ======  =======================================================================
@@ -117,6 +167,8 @@ class SamplingParams:
     ignore_eos: bool
     logprobs: int | None
     prompt_logprobs: int | None
+    golden_token_ids: tuple[int, ...] | None
+    first_n_token_no_eos: int
     seq_seed: int | None
     so_args: None
 
@@ -140,6 +192,9 @@ class SamplingParams:
         so_args: Mapping[str, Any] | None = None,
         *,
         seed: int | None = None,
+        top_logprobs: int | None = None,
+        golden_token_ids: Sequence[int] | None = None,
+        first_n_token_no_eos: int = 0,
     ) -> None:
         values: dict[str, Any] = {}
         t = _float("temperature", temperature)
@@ -180,8 +235,13 @@ class SamplingParams:
         if not isinstance(ignore_eos, bool | np.bool_):
             raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {type(ignore_eos).__name__}")
         values["ignore_eos"] = bool(ignore_eos)
-        values["logprobs"] = _optional_logprobs("logprobs", logprobs)
+        values["logprobs"] = _logprobs(logprobs, top_logprobs)
         values["prompt_logprobs"] = _optional_logprobs("prompt_logprobs", prompt_logprobs)
+        values["golden_token_ids"] = _token_list("golden_token_ids", golden_token_ids)
+        nf = _int("first_n_token_no_eos", first_n_token_no_eos)
+        if nf < 0:
+            raise ValueError(f"SamplingParams.first_n_token_no_eos = {nf} must be >= 0")
+        values["first_n_token_no_eos"] = nf
         values["seq_seed"] = _seed(seq_seed, seed)
         if so_args is not None:
             if not isinstance(so_args, Mapping):
@@ -337,11 +397,12 @@ def validate_request(
         raise ValueError(
             f"{where}prompt_token_ids[{i}] = {int(arr[i])} is outside the vocabulary [0, {vocab_size})"
         )
-    for i, token in enumerate(params.stop_token_ids):
-        if token >= vocab_size:
-            raise ValueError(
-                f"{where}sampling_params.stop_token_ids[{i}] = {token} is outside the vocabulary [0, {vocab_size})"
-            )
+    for name in ("stop_token_ids", "golden_token_ids"):
+        for i, token in enumerate(getattr(params, name) or ()):
+            if token >= vocab_size:
+                raise ValueError(
+                    f"{where}sampling_params.{name}[{i}] = {token} is outside the vocabulary [0, {vocab_size})"
+                )
     n = int(arr.size)
     if n >= max_model_len:
         raise ValueError(
@@ -360,13 +421,17 @@ def validate_request(
 class Logprob:
     """Log-probability of one token (vLLM's shape).
 
-    ``logprob`` is after penalties and masks, before temperature and filtering; ``rank`` is 1 for the most
-    probable token; ``decoded_token`` is the token's own text (``None`` without a tokenizer).
+    ``logprob`` is what ``LLM(logprobs_mode=)`` names (default vLLM's ``"raw_logprobs"``: the log-softmax of the
+    model's raw logits); ``rank`` is 1 for the most probable token; ``decoded_token`` is the token's own text
+    (``None`` without a tokenizer); ``sum_smaller_probs`` (with ``sampling.compute_sum_smaller_probs``) is the
+    inclusive CDF of the token in the distribution it was sampled from, tokens ordered by ascending probability
+    and ties by ascending id (``None`` otherwise).
     """
 
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+    sum_smaller_probs: float | None = None
 
 
 @dataclasses.dataclass

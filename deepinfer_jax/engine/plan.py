@@ -1,181 +1,61 @@
-"""The host-to-device contract of one engine step: :class:`StepPlan`.
+"""The host-to-device contract of one engine step: :class:`StepPlan`, built by :func:`build_plan` alone.
 
-The scheduler (host, numpy) describes each step as a flat, ragged token batch already padded to one of the
-compiled ``(tokens, sequences)`` buckets, so that the jitted step function sees a small fixed set of shapes and
-never recompiles in the steady state (ARCHITECTURE §4).
+The engine always runs on a ``(dp, ep)`` mesh of ``D = dp * ep`` devices; one device is the ``(1, 1)`` mesh.
+Each device's scheduler decides which tokens of which of its requests run (a :class:`DeviceBatch`, host
+objects only); :func:`build_plan` turns the ``D`` batches of a step into one :class:`StepPlan`: numpy arrays
+with a leading device axis, padded to one compiled ``(T tokens, S sequences)`` bucket, holding everything the
+jitted step needs -- tokens, positions, block tables, slots, the sampling tensors, the prompt-logprob targets --
+in :class:`StepInputs`. A device with nothing to run gets all-padding rows (a placeholder), so every device
+enters every collective of the step. Later features add fields here, in one place.
 
-Layout. The real sequences of the step are rows ``0 .. num_seqs - 1``; the tokens of row ``s`` are
-``query_start[s] : query_start[s + 1]`` of the token arrays, in position order. Everything past the real rows is
-padding the device must ignore: padding tokens belong to the sentinel row ``S`` (one past the last row, so a
-segment reduction over ``S`` rows drops them), padding sequences own no tokens, no slot (``-1``) and no blocks.
+Layout of device ``d``'s part. Its real sequences are rows ``0 .. n_d - 1``; the tokens of row ``s`` are
+``query_start[d, s] : query_start[d, s + 1]``, in position order. Everything past the real rows is padding the
+device must ignore: padding tokens belong to the sentinel row ``S`` (one past the last row, so a segment
+reduction over ``S`` rows drops them), padding sequences own no tokens, no slot (``-1``) and no blocks.
 
 One convention makes asynchronous scheduling possible: a token id of ``-1`` means "the token this sequence
 sampled in the previous step". The device reads it from its own per-slot state, so step N+1 can be built and
-dispatched before step N's sampled tokens have reached the host (spec/engine.md §5). Prefill tokens (prompt
-tokens, or the prompt and output of a request recomputed after preemption) are always given explicitly.
+dispatched before step N's sampled tokens have reached the host (``docs/engine.md``, "one step in flight").
+Prefill tokens (prompt tokens, or the prompt and output of a request recomputed after preemption) are always
+given explicitly.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-__all__ = ["PENDING_TOKEN", "StepPlan", "choose_bucket"]
+from deepinfer_jax.sampling.tensors import SamplingTensors
+
+__all__ = [
+    "LOGPROB_VARIANTS",
+    "PENDING_TOKEN",
+    "DeviceBatch",
+    "PlanView",
+    "ScheduledRow",
+    "StepInputs",
+    "StepPlan",
+    "build_plan",
+    "choose_bucket",
+    "logprob_variant",
+]
 
 PENDING_TOKEN = -1
 """Token id meaning "read the token this sequence sampled last step from device state"."""
 
-
-def _check_array(name: str, value: object, dtype: type, shape: tuple[int, ...]) -> None:
-    if not isinstance(value, np.ndarray):
-        raise TypeError(f"StepPlan.{name} must be a numpy array, got {type(value).__name__}")
-    if value.dtype != dtype:
-        raise TypeError(f"StepPlan.{name} must have dtype {np.dtype(dtype).name}, got {value.dtype}")
-    if value.shape != shape:
-        raise ValueError(f"StepPlan.{name} has shape {value.shape}, expected {shape}")
+LOGPROB_VARIANTS: tuple[int, ...] = (0, 5, 20)
+"""Top-n widths the step is compiled for; a step reports the smallest that covers every row's ``logprobs``."""
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class StepPlan:
-    """One engine step, numpy only, already padded to a bucket of ``T`` tokens and ``S`` sequences.
-
-    Attributes:
-        token_ids: int32 ``[T]``; :data:`PENDING_TOKEN` (-1) = the token this sequence sampled last step,
-            read on the device from its state slot. Padding tokens: 0.
-        positions: int32 ``[T]`` absolute position of each token in its sequence; padding tokens: 0.
-        token_seq: int32 ``[T]`` row in ``[0, S)`` of the sequence owning each token; padding tokens: ``S``.
-        seq_slots: int32 ``[S]`` state-slot id of each scheduled sequence; padding rows: -1.
-        query_start: int32 ``[S + 1]`` token offsets of the ragged rows (``query_start[0] == 0``); padding rows
-            own no tokens, so ``query_start[s] == num_tokens`` for every ``s >= num_seqs``.
-        context_lens: int32 ``[S]`` tokens in the cache for this sequence *after* this step (the cached prefix
-            plus this step's tokens); padding rows: 0.
-        block_tables: int32 ``[S, max_blocks_per_seq]`` physical block ids; unused entries -1.
-        sample: bool ``[S]`` sample a token from the last token of this row in this step (false for prefill
-            chunks that do not end the prompt, and for padding rows).
-        num_tokens: real (unpadded) tokens.
-        num_seqs: real (unpadded) sequences.
-        request_ids: request id of each real row, in row order.
-
-    The position of the token a row samples is ``context_lens[s]`` (the 0-based index of the new token in the
-    request's full sequence), which is what position-keyed sampling needs.
-    """
-
-    token_ids: np.ndarray
-    positions: np.ndarray
-    token_seq: np.ndarray
-    seq_slots: np.ndarray
-    query_start: np.ndarray
-    context_lens: np.ndarray
-    block_tables: np.ndarray
-    sample: np.ndarray
-    num_tokens: int
-    num_seqs: int
-    request_ids: tuple[str, ...]
-
-    def __post_init__(self) -> None:
-        # Shapes and dtypes only (O(1) per array): a plan with a wrong shape would silently trigger a new
-        # compilation or a shape error deep inside jit, far from the bug. Content checks live in validate().
-        if not isinstance(self.token_ids, np.ndarray) or self.token_ids.ndim != 1:
-            raise TypeError("StepPlan.token_ids must be a 1-D numpy array")
-        if not isinstance(self.seq_slots, np.ndarray) or self.seq_slots.ndim != 1:
-            raise TypeError("StepPlan.seq_slots must be a 1-D numpy array")
-        t = self.token_ids.shape[0]
-        s = self.seq_slots.shape[0]
-        if t < 1 or s < 1:
-            raise ValueError(f"StepPlan needs at least one token and one sequence row, got T={t}, S={s}")
-        if not isinstance(self.block_tables, np.ndarray) or self.block_tables.ndim != 2:
-            raise TypeError("StepPlan.block_tables must be a 2-D numpy array")
-        width = self.block_tables.shape[1]
-        _check_array("token_ids", self.token_ids, np.int32, (t,))
-        _check_array("positions", self.positions, np.int32, (t,))
-        _check_array("token_seq", self.token_seq, np.int32, (t,))
-        _check_array("seq_slots", self.seq_slots, np.int32, (s,))
-        _check_array("query_start", self.query_start, np.int32, (s + 1,))
-        _check_array("context_lens", self.context_lens, np.int32, (s,))
-        _check_array("block_tables", self.block_tables, np.int32, (s, width))
-        _check_array("sample", self.sample, np.bool_, (s,))
-        for name, value, limit in (("num_tokens", self.num_tokens, t), ("num_seqs", self.num_seqs, s)):
-            if isinstance(value, bool) or not isinstance(value, int | np.integer):
-                raise TypeError(f"StepPlan.{name} must be an int, got {type(value).__name__}")
-            if not 0 <= value <= limit:
-                raise ValueError(f"StepPlan.{name} = {value} must be in [0, {limit}]")
-        if len(self.request_ids) != self.num_seqs:
-            raise ValueError(
-                f"StepPlan.request_ids has {len(self.request_ids)} entries, expected num_seqs = {self.num_seqs}"
-            )
-
-    @property
-    def padded_tokens(self) -> int:
-        """``T``, the token bucket of this step."""
-        return int(self.token_ids.shape[0])
-
-    @property
-    def padded_seqs(self) -> int:
-        """``S``, the sequence bucket of this step."""
-        return int(self.seq_slots.shape[0])
-
-    @property
-    def bucket(self) -> tuple[int, int]:
-        """``(T, S)``: the compiled shape this plan runs with."""
-        return self.padded_tokens, self.padded_seqs
-
-    @property
-    def max_blocks_per_seq(self) -> int:
-        return int(self.block_tables.shape[1])
-
-    def validate(self, *, block_size: int | None = None) -> None:
-        """Check every documented invariant of the contents; raises ``ValueError`` naming the first broken one.
-
-        Linear in the plan's size; the scheduler's tests call it on every plan, the engine may call it in a
-        debug mode. With ``block_size``, also checks that every row's block table covers its context.
-        """
-        t, s, n, m = self.padded_tokens, self.padded_seqs, self.num_tokens, self.num_seqs
-        qs = self.query_start
-        if qs[0] != 0 or np.any(np.diff(qs) < 0) or qs[m] != n or np.any(qs[m:] != n):
-            raise ValueError(f"StepPlan.query_start {qs.tolist()} is not a prefix sum ending at {n} tokens")
-        expected_seq = np.full(t, s, np.int32)
-        expected_seq[:n] = np.repeat(np.arange(m, dtype=np.int32), np.diff(qs[: m + 1]))
-        if not np.array_equal(self.token_seq, expected_seq):
-            raise ValueError(
-                "StepPlan.token_seq does not match query_start (padding tokens must point at row S)"
-            )
-        if np.any(self.token_ids[:n] < PENDING_TOKEN) or np.any(self.token_ids[n:] != 0):
-            raise ValueError("StepPlan.token_ids: real tokens must be >= -1 and padding tokens 0")
-        if np.any(self.positions[n:] != 0) or np.any(self.positions[:n] < 0):
-            raise ValueError("StepPlan.positions: real positions must be >= 0 and padding positions 0")
-        for row in range(m):
-            lo, hi = int(qs[row]), int(qs[row + 1])
-            if hi == lo:
-                raise ValueError(f"StepPlan row {row} ({self.request_ids[row]}) has no tokens")
-            pos = self.positions[lo:hi]
-            if np.any(np.diff(pos) != 1) or int(pos[-1]) + 1 != int(self.context_lens[row]):
-                raise ValueError(
-                    f"StepPlan row {row} ({self.request_ids[row]}): positions {pos.tolist()} are not consecutive "
-                    f"or do not end at context_lens - 1 = {int(self.context_lens[row]) - 1}"
-                )
-            if np.any(self.token_ids[lo : hi - 1] == PENDING_TOKEN):
-                raise ValueError(f"StepPlan row {row}: only a row's first token may be pending (-1)")
-            if self.seq_slots[row] < 0:
-                raise ValueError(
-                    f"StepPlan row {row}: a real row needs a state slot, got {self.seq_slots[row]}"
-                )
-            if block_size is not None:
-                need = -(-int(self.context_lens[row]) // block_size)
-                table = self.block_tables[row]
-                if need > table.shape[0] or np.any(table[:need] < 0):
-                    raise ValueError(
-                        f"StepPlan row {row}: block table {table[: need + 1].tolist()} does not cover "
-                        f"{int(self.context_lens[row])} tokens of {block_size}-token blocks"
-                    )
-        if np.any(self.seq_slots[m:] != -1) or np.any(self.context_lens[m:] != 0):
-            raise ValueError("StepPlan padding rows must have seq_slots -1 and context_lens 0")
-        if np.any(self.block_tables[m:] != -1) or np.any(self.sample[m:]):
-            raise ValueError("StepPlan padding rows must have no blocks and sample nothing")
-        real_slots = self.seq_slots[:m]
-        if len(np.unique(real_slots)) != m:
-            raise ValueError(f"StepPlan.seq_slots {real_slots.tolist()} repeats a slot")
+def logprob_variant(requested: int) -> int:
+    """The compiled top-n width for a step whose rows ask for at most ``requested`` alternatives."""
+    for n in LOGPROB_VARIANTS:
+        if requested <= n:
+            return n
+    raise ValueError(f"logprobs = {requested} exceeds the maximum {LOGPROB_VARIANTS[-1]}")
 
 
 def choose_bucket(num_tokens: int, num_seqs: int, buckets: Sequence[tuple[int, int]]) -> tuple[int, int]:
@@ -193,3 +73,382 @@ def choose_bucket(num_tokens: int, num_seqs: int, buckets: Sequence[tuple[int, i
             f"no bucket holds {num_tokens} tokens and {num_seqs} sequences; buckets: {sorted(buckets)}"
         )
     return best
+
+
+# ------------------------------------------------------------------------------------------ host side
+
+
+class PlanRequest(Protocol):
+    """What :func:`build_plan` reads from a scheduled request (the scheduler's ``Request`` provides it)."""
+
+    request_id: str
+    slot: int
+    block_ids: list[int]
+    prompt_token_ids: np.ndarray
+    params: Any
+    seed: int
+
+    @property
+    def prompt_len(self) -> int: ...
+
+    def tokens(self, start: int, stop: int) -> np.ndarray: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRow:
+    """One row of a device's step: ``length`` tokens of ``request`` from position ``start``.
+
+    Attributes:
+      request: the scheduled request (:class:`PlanRequest`).
+      start, length: the row's first position and token count.
+      sample: the row samples a token from its last token (false for a prefill chunk that does not end the
+        known tokens).
+      pending_input: the row's first token is the one its sequence sampled last step, not yet on the host
+        (:data:`PENDING_TOKEN`).
+      decode: one output token fed to sample the next (the rest count as prefill).
+    """
+
+    request: Any
+    start: int
+    length: int
+    sample: bool
+    pending_input: bool
+    decode: bool
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DeviceBatch:
+    """What one device's scheduler scheduled for a step: its rows, in row order (host objects only)."""
+
+    rows: tuple[ScheduledRow, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.length for r in self.rows)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.rows)
+
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        return tuple(r.request.request_id for r in self.rows)
+
+    @property
+    def requests(self) -> list[Any]:
+        return [r.request for r in self.rows]
+
+
+# ------------------------------------------------------------------------------------------ device side
+
+
+class StepInputs(NamedTuple):
+    """Every array one step takes, each with a leading device axis ``D`` (the jitted step's input pytree).
+
+    Attributes:
+      token_ids: int32 ``[D, T]``; :data:`PENDING_TOKEN` (-1) = the token this sequence sampled last step, read
+        on the device from its state slot. Padding tokens: 0.
+      positions: int32 ``[D, T]`` absolute position of each token in its sequence; padding tokens: 0.
+      token_seq: int32 ``[D, T]`` row in ``[0, S)`` of the sequence owning each token; padding tokens: ``S``.
+      seq_slots: int32 ``[D, S]`` state-slot id of each scheduled sequence; padding rows: -1.
+      query_start: int32 ``[D, S + 1]`` token offsets of the ragged rows; padding rows own no tokens.
+      context_lens: int32 ``[D, S]`` tokens in the cache for this sequence *after* this step; padding rows: 0.
+      block_tables: int32 ``[D, S, max_blocks_per_seq]`` physical block ids; unused entries -1.
+      sample: bool ``[D, S]`` sample a token from the last token of this row.
+      prompt_lens: int32 ``[D, S]`` each row's prompt length (positions below it are prompt tokens for the
+        penalties); padding rows: 0.
+      sampling: the rows' :class:`~deepinfer_jax.sampling.SamplingTensors`, leaves ``[D, S, ...]``.
+      prompt_targets: int32 ``[D, T]`` the next prompt token of each token whose request asked for prompt
+        logprobs (``-1`` elsewhere), or ``None`` when no token of the step needs one.
+
+    The position of the token a row samples is ``context_lens[d, s]`` (the 0-based index of the new token in
+    the request's full sequence), which is what position-keyed sampling needs.
+    """
+
+    token_ids: Any
+    positions: Any
+    token_seq: Any
+    seq_slots: Any
+    query_start: Any
+    context_lens: Any
+    block_tables: Any
+    sample: Any
+    prompt_lens: Any
+    sampling: Any
+    prompt_targets: Any = None
+
+
+class PlanView(NamedTuple):
+    """Device ``d``'s part of a :class:`StepPlan` (numpy views; for checks, tests and debugging)."""
+
+    token_ids: np.ndarray
+    positions: np.ndarray
+    token_seq: np.ndarray
+    seq_slots: np.ndarray
+    query_start: np.ndarray
+    context_lens: np.ndarray
+    block_tables: np.ndarray
+    sample: np.ndarray
+    prompt_lens: np.ndarray
+    prompt_targets: np.ndarray | None
+    num_tokens: int
+    num_seqs: int
+    request_ids: tuple[str, ...]
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def padded_seqs(self) -> int:
+        return int(self.seq_slots.shape[0])
+
+    @property
+    def bucket(self) -> tuple[int, int]:
+        return self.padded_tokens, self.padded_seqs
+
+    def validate(self, *, block_size: int | None = None) -> None:
+        """Check every documented invariant of this device's part; raises ``ValueError`` naming the first
+        broken one. With ``block_size``, also checks that every row's block table covers its context."""
+        t, s, n, m = self.padded_tokens, self.padded_seqs, self.num_tokens, self.num_seqs
+        qs = self.query_start
+        if qs[0] != 0 or np.any(np.diff(qs) < 0) or qs[m] != n or np.any(qs[m:] != n):
+            raise ValueError(f"query_start {qs.tolist()} is not a prefix sum ending at {n} tokens")
+        expected_seq = np.full(t, s, np.int32)
+        expected_seq[:n] = np.repeat(np.arange(m, dtype=np.int32), np.diff(qs[: m + 1]))
+        if not np.array_equal(self.token_seq, expected_seq):
+            raise ValueError("token_seq does not match query_start (padding tokens must point at row S)")
+        if np.any(self.token_ids[:n] < PENDING_TOKEN) or np.any(self.token_ids[n:] != 0):
+            raise ValueError("token_ids: real tokens must be >= -1 and padding tokens 0")
+        if np.any(self.positions[n:] != 0) or np.any(self.positions[:n] < 0):
+            raise ValueError("positions: real positions must be >= 0 and padding positions 0")
+        for row in range(m):
+            lo, hi = int(qs[row]), int(qs[row + 1])
+            if hi == lo:
+                raise ValueError(f"row {row} ({self.request_ids[row]}) has no tokens")
+            pos = self.positions[lo:hi]
+            if np.any(np.diff(pos) != 1) or int(pos[-1]) + 1 != int(self.context_lens[row]):
+                raise ValueError(
+                    f"row {row} ({self.request_ids[row]}): positions {pos.tolist()} are not consecutive or do not "
+                    f"end at context_lens - 1 = {int(self.context_lens[row]) - 1}"
+                )
+            if np.any(self.token_ids[lo : hi - 1] == PENDING_TOKEN):
+                raise ValueError(f"row {row}: only a row's first token may be pending (-1)")
+            if self.seq_slots[row] < 0:
+                raise ValueError(f"row {row}: a real row needs a state slot, got {self.seq_slots[row]}")
+            if block_size is not None:
+                need = -(-int(self.context_lens[row]) // block_size)
+                table = self.block_tables[row]
+                if need > table.shape[0] or np.any(table[:need] < 0):
+                    raise ValueError(
+                        f"row {row}: block table {table[: need + 1].tolist()} does not cover "
+                        f"{int(self.context_lens[row])} tokens of {block_size}-token blocks"
+                    )
+        if (
+            np.any(self.seq_slots[m:] != -1)
+            or np.any(self.context_lens[m:] != 0)
+            or np.any(self.prompt_lens[m:] != 0)
+        ):
+            raise ValueError("padding rows must have seq_slots -1, context_lens 0 and prompt_lens 0")
+        if np.any(self.block_tables[m:] != -1) or np.any(self.sample[m:]):
+            raise ValueError("padding rows must have no blocks and sample nothing")
+        real_slots = self.seq_slots[:m]
+        if len(np.unique(real_slots)) != m:
+            raise ValueError(f"seq_slots {real_slots.tolist()} repeats a slot")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepPlan:
+    """One engine step over every device of the mesh (module docstring), built by :func:`build_plan`.
+
+    Attributes:
+      inputs: the :class:`StepInputs` (numpy, leading device axis).
+      num_logprobs: the compiled top-n width covering every row's ``logprobs`` (a static variant of the step).
+      num_prompt_logprobs: the compiled width covering every row's ``prompt_logprobs``; ``-1`` when
+        ``inputs.prompt_targets`` is ``None`` (the step computes no prompt logprobs).
+      batches: each device's :class:`DeviceBatch`, ``None`` for a device that runs a placeholder.
+    """
+
+    inputs: StepInputs
+    num_logprobs: int
+    num_prompt_logprobs: int
+    batches: tuple[DeviceBatch | None, ...]
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.batches)
+
+    @property
+    def padded_tokens(self) -> int:
+        """``T``, the token bucket of this step."""
+        return int(self.inputs.token_ids.shape[1])
+
+    @property
+    def padded_seqs(self) -> int:
+        """``S``, the sequence bucket of this step."""
+        return int(self.inputs.seq_slots.shape[1])
+
+    @property
+    def bucket(self) -> tuple[int, int]:
+        """``(T, S)``: the compiled shape this plan runs with."""
+        return self.padded_tokens, self.padded_seqs
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return int(self.inputs.block_tables.shape[2])
+
+    @property
+    def variant(self) -> tuple[int, int, int, int, int]:
+        """The key of the compiled step this plan needs: ``(T, S, mask width, num_logprobs, prompt width)``."""
+        return (
+            self.padded_tokens,
+            self.padded_seqs,
+            int(self.inputs.sampling.masked_ids.shape[2]),
+            self.num_logprobs,
+            self.num_prompt_logprobs,
+        )
+
+    @property
+    def num_placeholders(self) -> int:
+        """Devices that run an all-padding placeholder in this step."""
+        return sum(b is None for b in self.batches)
+
+    @property
+    def is_prefill(self) -> bool:
+        """No device runs a decode row (one output token fed to sample the next) in this step."""
+        return not any(r.decode for b in self.batches if b is not None for r in b.rows)
+
+    def view(self, device: int = 0) -> PlanView:
+        """Device ``device``'s part of the plan."""
+        x, b = self.inputs, self.batches[device]
+        d = device
+        return PlanView(
+            x.token_ids[d],
+            x.positions[d],
+            x.token_seq[d],
+            x.seq_slots[d],
+            x.query_start[d],
+            x.context_lens[d],
+            x.block_tables[d],
+            x.sample[d],
+            x.prompt_lens[d],
+            None if x.prompt_targets is None else x.prompt_targets[d],
+            0 if b is None else b.num_tokens,
+            0 if b is None else b.num_seqs,
+            () if b is None else b.request_ids,
+        )
+
+    def validate(self, *, block_size: int | None = None) -> None:
+        """Check every documented invariant of every device's part; raises ``ValueError`` naming the first broken
+        one (and the device). Linear in the plan's size; the scheduler's tests call it on every plan. With
+        ``block_size``, also checks that every row's block table covers its context."""
+        for d in range(self.num_devices):
+            try:
+                self.view(d).validate(block_size=block_size)
+            except ValueError as err:
+                raise ValueError(f"StepPlan device {d}: {err}") from None
+
+
+def build_plan(
+    batches: Sequence[DeviceBatch | None],
+    *,
+    buckets: Sequence[tuple[int, int]],
+    max_blocks_per_seq: int,
+    vocab_size: int,
+    eos_token_ids: Sequence[int] = (),
+    banned_token_ids: Sequence[int] = (),
+) -> StepPlan:
+    """The :class:`StepPlan` of one step: every device's batch (``None`` = nothing to run) in one padded plan.
+
+    The step's bucket is the smallest of ``buckets`` that holds the largest device's tokens and sequences. Every
+    array is filled here, from the scheduled requests (:class:`PlanRequest`): token ids (the pending ``-1`` for
+    a row whose input is still on the device), positions, rows, slots, block tables, prompt lengths, the sampling
+    tensors (parameters, seeds and the positions of the tokens the rows sample) and the prompt-logprob targets.
+    """
+    real = [b for b in batches if b is not None]
+    if not real:
+        raise ValueError("build_plan: every device's batch is None; a step needs at least one")
+    t, s = choose_bucket(max(b.num_tokens for b in real), max(b.num_seqs for b in real), buckets)
+    d = len(batches)
+    token_ids = np.zeros((d, t), np.int32)
+    positions = np.zeros((d, t), np.int32)
+    token_seq = np.full((d, t), s, np.int32)
+    seq_slots = np.full((d, s), -1, np.int32)
+    query_start = np.zeros((d, s + 1), np.int32)
+    context_lens = np.zeros((d, s), np.int32)
+    block_tables = np.full((d, s, max_blocks_per_seq), -1, np.int32)
+    sample = np.zeros((d, s), np.bool_)
+    prompt_lens = np.zeros((d, s), np.int32)
+    targets: np.ndarray | None = None
+    params, seeds, sample_pos, output_lens, row_index = [], [], [], [], []
+    wanted = prompt_wanted = 0
+    for dev, batch in enumerate(batches):
+        if batch is None:
+            continue
+        offset = 0
+        for i, row in enumerate(batch.rows):
+            req = row.request
+            end = offset + row.length
+            if row.pending_input:
+                token_ids[dev, offset] = PENDING_TOKEN
+            else:
+                token_ids[dev, offset:end] = req.tokens(row.start, row.start + row.length)
+            pos = np.arange(row.start, row.start + row.length, dtype=np.int32)
+            positions[dev, offset:end] = pos
+            token_seq[dev, offset:end] = i
+            seq_slots[dev, i] = req.slot
+            query_start[dev, i] = offset
+            context = row.start + row.length
+            context_lens[dev, i] = context
+            block_tables[dev, i, : len(req.block_ids)] = req.block_ids
+            sample[dev, i] = row.sample
+            prompt_len = req.prompt_len
+            prompt_lens[dev, i] = prompt_len
+            p = req.params
+            params.append(p)
+            seeds.append(req.seed)
+            sample_pos.append(context)
+            output_lens.append(max(context - prompt_len, 0))
+            row_index.append(dev * s + i)
+            wanted = max(wanted, p.logprobs or 0)
+            if p.prompt_logprobs is not None:
+                inside = pos + 1 < prompt_len
+                if inside.any():
+                    if targets is None:
+                        targets = np.full((d, t), -1, np.int32)
+                    nxt = req.prompt_token_ids[np.minimum(pos + 1, prompt_len - 1)]
+                    targets[dev, offset:end] = np.where(inside, nxt, -1)
+                    prompt_wanted = max(prompt_wanted, p.prompt_logprobs)
+            offset = end
+        query_start[dev, len(batch.rows) :] = offset
+    flat = SamplingTensors.build(
+        params,
+        seeds,
+        np.asarray(sample_pos, np.int64),
+        vocab_size,
+        output_lens=np.asarray(output_lens, np.int64),
+        eos_token_ids=eos_token_ids,
+        banned_token_ids=banned_token_ids,
+        num_rows=d * s,
+        row_index=row_index,
+    )
+    sampling = flat.reshape_rows(d, s)
+    inputs = StepInputs(
+        token_ids,
+        positions,
+        token_seq,
+        seq_slots,
+        query_start,
+        context_lens,
+        block_tables,
+        sample,
+        prompt_lens,
+        sampling,
+        targets,
+    )
+    return StepPlan(
+        inputs,
+        logprob_variant(wanted),
+        -1 if targets is None else logprob_variant(prompt_wanted),
+        tuple(batches),
+    )

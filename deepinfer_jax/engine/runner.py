@@ -6,51 +6,50 @@ decode row's input is the ``-1`` "pending" id, which the device resolves from it
 bookkeeping (detokenization, stop checks, freeing blocks) overlaps the device's work. When nothing new can be
 scheduled (everything waits for in-flight tokens) the oldest step is processed first.
 
-Per step the runner turns the scheduler's requests into :class:`~deepinfer_jax.sampling.SamplingTensors`
-(their parameters, seeds and the positions of the tokens they sample) and the prompt lengths the penalties
-need.
+The same loop serves one device and any ``(dp, ep)`` mesh: a step is one
+:class:`~deepinfer_jax.engine.plan.StepPlan` over every device, and its results come back as arrays with a
+leading device axis that the scheduler hands to each device. With an expert balancer (EPLB, ``ep > 1``), each
+step also returns its expert counts, and the balancer re-places expert slots between steps.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import gc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
+from absl import logging
+from jax.experimental import multihost_utils
 
+from deepinfer_jax.engine.mesh_eplb import MeshExpertBalancer
 from deepinfer_jax.engine.params import RequestOutput
 from deepinfer_jax.engine.plan import StepPlan
 from deepinfer_jax.engine.scheduler import Scheduler
 from deepinfer_jax.engine.step import StepExecutor, StepOutput
-from deepinfer_jax.sampling import SamplingTensors
+from deepinfer_jax.parallel.mesh import mesh_sizes
 
-__all__ = [
-    "LOGPROB_VARIANTS",
-    "EngineRunner",
-    "RunStats",
-    "StepArguments",
-    "logprob_variant",
-    "step_arguments",
-]
-
-LOGPROB_VARIANTS: tuple[int, ...] = (0, 5, 20)
-"""Top-n widths the step is compiled for; a step reports the smallest that covers every row's ``logprobs``."""
-
-
-def logprob_variant(requested: int) -> int:
-    """The compiled top-n width for a step whose rows ask for at most ``requested`` alternatives."""
-    for n in LOGPROB_VARIANTS:
-        if requested <= n:
-            return n
-    raise ValueError(f"logprobs = {requested} exceeds the maximum {LOGPROB_VARIANTS[-1]}")
+__all__ = ["EngineRunner", "InFlight", "RunStats", "RunnerOptions"]
 
 
 @dataclasses.dataclass
 class RunStats:
-    """Counters of one :meth:`EngineRunner.run` call."""
+    """Counters of one :meth:`EngineRunner.run` call.
+
+    Attributes:
+      steps, prompt_tokens, generated_tokens, seconds, compile_count, compile_seconds: what ran and how long.
+      dp, ep: the mesh.
+      placeholder_plans: per-device parts of steps that were all padding (a device with nothing to run while
+        others ran).
+      eplb_rearrangements: expert re-placements done during the run (EPLB).
+      moe_lb: ``Σ max / Σ mean`` rows per EP rank over the run's steps and MoE layers (1.0 = even; ``None``:
+        not measured, or no token routed).
+    """
 
     steps: int = 0
     prompt_tokens: int = 0
@@ -58,97 +57,90 @@ class RunStats:
     seconds: float = 0.0
     compile_count: int = 0
     compile_seconds: float = 0.0
+    dp: int = 1
+    ep: int = 1
+    placeholder_plans: int = 0
+    eplb_rearrangements: int = 0
+    moe_lb: float | None = None
 
     def summary(self, num_requests: int) -> str:
-        """One line: requests, tokens, tokens/s and compile time."""
+        """One line: requests, tokens, tokens/s and compile time (and the mesh, when it has several devices)."""
         rate = self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
-        return (
+        line = (
             f"{num_requests} requests, {self.prompt_tokens} prompt + {self.generated_tokens} generated tokens in "
             f"{self.seconds:.2f} s ({rate:.1f} tokens/s), {self.steps} steps, "
             f"{self.compile_count} compilations ({self.compile_seconds:.2f} s)"
         )
+        if self.dp * self.ep == 1:
+            return line
+        extra = ""
+        if self.moe_lb is not None:
+            extra = f", moe_lb {self.moe_lb:.3f}, {self.eplb_rearrangements} expert re-placements"
+        return (
+            f"{line} on {self.dp * self.ep} devices (dp={self.dp} x ep={self.ep}, "
+            f"{self.placeholder_plans} placeholder plans{extra})"
+        )
 
 
-class StepArguments(NamedTuple):
-    """What one step needs besides its plan, built on the host from the plan's requests (:func:`step_arguments`).
+class InFlight(NamedTuple):
+    """A dispatched step: its outputs and the expert placements it ran with (EPLB's snapshot, or ``None``)."""
+
+    out: StepOutput
+    snapshot: Any
+
+    @property
+    def tokens(self) -> jax.Array:
+        """The step's sampled tokens (what a caller timing the step waits on)."""
+        return self.out.tokens
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """All of a global array on this host: every process reads every device's rows (SPMD: each process's
+    schedulers then make the same decisions). An explicit transfer (the transfer guard allows it)."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    return multihost_utils.process_allgather(x, tiled=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerOptions:
+    """How the loop runs (the config fields of the same names, docs/config.md).
 
     Attributes:
-      sampling: the rows' :class:`~deepinfer_jax.sampling.SamplingTensors`.
-      prompt_lens: int32 ``[S]`` each row's prompt length (0 for padding rows).
-      num_logprobs: the compiled top-n width covering every row's ``logprobs``.
-      prompt_targets: int32 ``[T]`` the next prompt token of every token whose request asked for prompt
-        logprobs (``-1`` elsewhere), or ``None`` when no token of the step needs one.
-      num_prompt_logprobs: the compiled width covering every such request's ``prompt_logprobs``.
+      async_scheduling: dispatch step N+1 before reading step N's tokens (False: process every step first).
+      stats_log_interval_steps: steps between statistics log lines (<= 0: none).
+      gc_interval_steps: > 0: automatic garbage collection off during a run, a collection every this many steps.
+      transfer_guard: implicit host<->device transfers during a run are errors (``jax.transfer_guard``).
     """
 
-    sampling: SamplingTensors
-    prompt_lens: np.ndarray
-    num_logprobs: int
-    prompt_targets: np.ndarray | None
-    num_prompt_logprobs: int
+    async_scheduling: bool = True
+    stats_log_interval_steps: int = 0
+    gc_interval_steps: int = 0
+    transfer_guard: bool = False
 
 
-def step_arguments(
-    scheduler: Scheduler,
-    plan: StepPlan,
-    *,
-    vocab_size: int,
-    eos_token_ids: Sequence[int] = (),
-    num_rows: int | None = None,
-) -> StepArguments:
-    """The :class:`StepArguments` of ``plan`` (scheduled by ``scheduler``), with ``num_rows`` rows (default the
-    plan's ``S``; a mesh step pads every device's rows to its global bucket)."""
-    requests = scheduler.rows(plan)
-    n = plan.num_seqs
-    rows = plan.padded_seqs if num_rows is None else num_rows
-    positions = plan.context_lens[:n]
-    prompt_lens = np.zeros(rows, np.int32)
-    prompt_lens[:n] = [r.prompt_len for r in requests]
-    sampling = SamplingTensors.build(
-        [r.params for r in requests],
-        [r.seed for r in requests],
-        positions,
-        vocab_size,
-        output_lens=np.maximum(positions - prompt_lens[:n], 0),
-        eos_token_ids=eos_token_ids,
-        num_rows=rows,
-    )
-    wanted = max((r.params.logprobs or 0 for r in requests), default=0)
-    targets, prompt_wanted = _prompt_targets(plan, requests)
-    return StepArguments(
-        sampling, prompt_lens, logprob_variant(wanted), targets, logprob_variant(prompt_wanted)
-    )
-
-
-def _prompt_targets(plan: StepPlan, requests: Sequence[Any]) -> tuple[np.ndarray | None, int]:
-    """The next prompt token of every token whose request asked for prompt logprobs (``-1`` elsewhere), and
-    the widest ``prompt_logprobs`` asked; ``(None, 0)`` when no token of the step needs one."""
-    targets = None
-    wanted = 0
-    for i, req in enumerate(requests):
-        n = req.params.prompt_logprobs
-        if n is None:
-            continue
-        lo, hi = int(plan.query_start[i]), int(plan.query_start[i + 1])
-        pos = plan.positions[lo:hi]
-        inside = pos + 1 < req.prompt_len
-        if not inside.any():
-            continue
-        if targets is None:
-            targets = np.full(plan.padded_tokens, -1, np.int32)
-        targets[lo:hi] = np.where(inside, req.prompt_token_ids[np.minimum(pos + 1, req.prompt_len - 1)], -1)
-        wanted = max(wanted, n)
-    return targets, wanted
+@contextlib.contextmanager
+def _manual_gc(interval: int) -> Iterator[None]:
+    if interval <= 0:
+        yield
+        return
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class EngineRunner:
     """Drives a :class:`Scheduler` and a :class:`StepExecutor` until every request has finished.
 
     Args:
-      scheduler: the host scheduler (owns requests, blocks and slots).
-      executor: the device step (owns the cache and the per-slot state).
-      vocab_size: width of the logits (for the sampling tensors).
-      eos_token_ids: masked before a request's ``min_tokens``.
+      scheduler: the engine's scheduler (owns requests, blocks and slots of every device).
+      executor: the device step (owns every device's cache and per-slot state).
+      balancer: EPLB for a mesh with ``ep > 1`` (the executor must return expert counts), or ``None``.
+      options: :class:`RunnerOptions` (default: asynchronous, no statistics lines, Python's own GC, no guard).
     """
 
     def __init__(
@@ -156,39 +148,71 @@ class EngineRunner:
         scheduler: Scheduler,
         executor: StepExecutor,
         *,
-        vocab_size: int,
-        eos_token_ids: Sequence[int] = (),
+        balancer: MeshExpertBalancer | None = None,
+        options: RunnerOptions | None = None,
     ) -> None:
+        if scheduler.num_devices != executor.num_devices:
+            raise ValueError(
+                f"EngineRunner: a scheduler of {scheduler.num_devices} devices for a mesh of "
+                f"{executor.num_devices} devices"
+            )
+        if balancer is not None and not executor.returns_expert_counts:
+            raise ValueError("EngineRunner: a balancer needs an executor built with expert_counts=True")
         self.scheduler = scheduler
         self.executor = executor
-        self.vocab_size = int(vocab_size)
-        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.balancer = balancer
+        self.options = options or RunnerOptions()
+        self.placeholder_plans = 0
+        """Per-device placeholder parts dispatched so far."""
 
-    def _dispatch(self, plan: StepPlan) -> StepOutput:
-        args = step_arguments(
-            self.scheduler, plan, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids
-        )
-        return self.executor.run(
-            plan,
-            args.sampling,
-            args.prompt_lens,
-            num_logprobs=args.num_logprobs,
-            prompt_targets=args.prompt_targets,
-            num_prompt_logprobs=args.num_prompt_logprobs,
-        )
+    def _dispatch(self, plan: StepPlan) -> InFlight:
+        out = self.executor.run(plan)
+        self.placeholder_plans += plan.num_placeholders
+        return InFlight(out, None if self.balancer is None else self.balancer.snapshot())
 
-    def _process(self, plan: StepPlan, out: StepOutput) -> list[RequestOutput]:
-        tokens = np.asarray(out.tokens)
-        prompt = None if out.prompt is None else tuple(np.asarray(a) for a in out.prompt)
-        return self.scheduler.process_outputs(
+    def _process(self, plan: StepPlan, step: InFlight) -> list[RequestOutput]:
+        out = step.out
+        host = jax.tree.map(_to_host, out._replace(logits=None, expert_counts=None))
+        finished = self.scheduler.process_outputs(
             plan,
-            tokens,
-            logprob=np.asarray(out.logprob),
-            rank=np.asarray(out.rank),
-            top_ids=np.asarray(out.top_ids),
-            top_logprobs=np.asarray(out.top_logprobs),
-            prompt_logprobs=prompt,
+            host.tokens,
+            logprob=host.logprob,
+            rank=host.rank,
+            top_ids=host.top_ids,
+            top_logprobs=host.top_logprobs,
+            prompt_logprobs=host.prompt,
+            sum_smaller=host.sum_smaller,
+            top_sum_smaller=host.top_sum_smaller,
         )
+        if self.balancer is not None and out.expert_counts is not None:
+            counts = _to_host(out.expert_counts)
+            if self.balancer.observe(counts, prefill=plan.is_prefill, snapshot=step.snapshot):
+                # The next dispatch takes the re-placed slots; the step in flight keeps the arrays it was given.
+                # The new placements travel to the devices: an intended transfer.
+                with jax.transfer_guard("allow"):
+                    self.executor.params = self.balancer.rearrange(self.executor.params)
+        return finished
+
+    def _periodic(self, stats: RunStats, start: float) -> None:
+        """The statistics line and the garbage collection due after this many steps."""
+        opts, n = self.options, stats.steps
+        if opts.gc_interval_steps > 0 and n % opts.gc_interval_steps == 0:
+            gc.collect()
+        if opts.stats_log_interval_steps > 0 and n % opts.stats_log_interval_steps == 0:
+            sched = self.scheduler
+            free = sum(d.blocks.num_free for d in sched.devices)
+            total = sum(d.blocks.capacity for d in sched.devices)
+            rate = stats.generated_tokens / max(time.perf_counter() - start, 1e-9)
+            logging.info(
+                "engine: %d steps, %d running, %d waiting, %d of %d cache blocks in use, %.1f generated tokens/s "
+                "(finished requests)",
+                n,
+                sched.num_running,
+                sched.num_waiting,
+                total - free,
+                total,
+                rate,
+            )
 
     def run(
         self,
@@ -205,11 +229,16 @@ class EngineRunner:
         True while more requests are still to come. The loop then keeps going even when nothing is queued or
         running; ``poll`` should wait for the next arrival itself when the engine is idle, or the loop spins.
         """
-        stats = RunStats()
+        dp, ep = mesh_sizes(self.executor.mesh)
+        stats = RunStats(dp=dp, ep=ep)
         compiles, compile_s = self.executor.compile_count, self.executor.compile_seconds
+        placeholders = self.placeholder_plans
+        balancer = self.balancer
+        peak, mean = (balancer.total_peak, balancer.total_mean) if balancer is not None else (0.0, 0.0)
+        replaced = balancer.rearrangements if balancer is not None else 0
         start = time.perf_counter()
         finished: list[RequestOutput] = []
-        in_flight: collections.deque[tuple[StepPlan, StepOutput]] = collections.deque()
+        in_flight: collections.deque[tuple[StepPlan, InFlight]] = collections.deque()
 
         def take(outputs: list[RequestOutput]) -> None:
             for output in outputs:
@@ -225,21 +254,32 @@ class EngineRunner:
             incoming = poll() if poll is not None else False
             return incoming or self.scheduler.has_unfinished_requests() or bool(in_flight)
 
-        take(self.scheduler.take_ready_outputs())
-        while more():
-            plan = self.scheduler.schedule()
-            if plan is not None:
-                in_flight.append((plan, self._dispatch(plan)))
-                stats.steps += 1
-            if in_flight and (plan is None or len(in_flight) > 1):
-                take(self._process(*in_flight.popleft()))
-            elif plan is None:
-                take(self.scheduler.take_ready_outputs())
-                if not in_flight and self.scheduler.has_unfinished_requests():
-                    raise RuntimeError(
-                        "the scheduler has unfinished requests but can schedule nothing and has nothing in flight"
-                    )
+        opts = self.options
+        depth = 1 if opts.async_scheduling else 0  # steps left in flight while the next one is scheduled
+        guard = jax.transfer_guard("disallow") if opts.transfer_guard else contextlib.nullcontext()
+        with guard, _manual_gc(opts.gc_interval_steps):
+            take(self.scheduler.take_ready_outputs())
+            while more():
+                plan = self.scheduler.schedule()
+                if plan is not None:
+                    in_flight.append((plan, self._dispatch(plan)))
+                    stats.steps += 1
+                    self._periodic(stats, start)
+                if in_flight and (plan is None or len(in_flight) > depth):
+                    take(self._process(*in_flight.popleft()))
+                elif plan is None:
+                    take(self.scheduler.take_ready_outputs())
+                    if not in_flight and self.scheduler.has_unfinished_requests():
+                        raise RuntimeError(
+                            "the scheduler has unfinished requests but can schedule nothing and has nothing in "
+                            "flight"
+                        )
         stats.seconds = time.perf_counter() - start
         stats.compile_count = self.executor.compile_count - compiles
         stats.compile_seconds = self.executor.compile_seconds - compile_s
+        stats.placeholder_plans = self.placeholder_plans - placeholders
+        if balancer is not None:
+            stats.eplb_rearrangements = balancer.rearrangements - replaced
+            if balancer.total_mean > mean:
+                stats.moe_lb = (balancer.total_peak - peak) / (balancer.total_mean - mean)
         return finished, stats

@@ -1,7 +1,10 @@
 """The host scheduler: which tokens of which requests run in each engine step (numpy only, never jax).
 
-Policy (issue 7; spec/engine.md §4 describes the reference, whose step-type vote and prefill-only steps are not
-ported):
+The engine runs on a ``(dp, ep)`` mesh of ``D`` devices (one device is ``D = 1``), each device an attention rank
+that owns whole sequences. :class:`Scheduler` is the engine's scheduler: it routes each new request to a device
+(:func:`route`), keeps one :class:`DeviceScheduler` per device, and builds each step's one
+:class:`~deepinfer_jax.engine.plan.StepPlan` from what the devices scheduled. A device's policy
+(DeepInfer's step-type vote and prefill-only steps are not ported):
 
 * **Continuous batching with chunked prefill, always on.** Every step mixes decode tokens of running requests
   and prefill chunks under one token budget, ``max_num_batched_tokens`` (any value >= 1: a prompt longer than
@@ -20,17 +23,17 @@ ported):
   Outputs are never lost.
 * **Requests that can never fit** (their longest possible context needs more blocks than the pool or the block
   table holds) end alone with ``finish_reason="error"`` as soon as they are added; the rest keep running.
-* **Stops** are checked when a step's sampled tokens arrive (:meth:`Scheduler.process_outputs`): EOS (unless
+* **Stops** are checked when a step's sampled tokens arrive (:meth:`DeviceScheduler.process_outputs`): EOS (unless
   ``ignore_eos``), ``stop_token_ids``, stop strings matched on the incrementally detokenized text (so a stop
   string split across tokens is found, and it is cut from ``text``), ``max_tokens`` and ``max_model_len``.
   Before ``min_tokens`` outputs, EOS / stop ids / stop strings do not stop the request.
 
-**Asynchronous steps.** :meth:`Scheduler.schedule` never needs the previous step's tokens: a decode row whose
+**Asynchronous steps.** :meth:`DeviceScheduler.schedule` never needs the previous step's tokens: a decode row whose
 input token is not yet known on the host carries :data:`~deepinfer_jax.engine.plan.PENDING_TOKEN` and the device
 reads the token it sampled last step from the sequence's state slot. The scheduler accounts optimistically: a
 scheduled sample counts as ``pending`` until :meth:`process_outputs` delivers it. Length stops are known in
 advance (a request whose pending tokens will reach ``max_tokens`` is not scheduled again), so only EOS, stop ids
-and stop strings can waste one step. Plans must be processed in the order they were scheduled. Blocks of a
+and stop strings can waste one step. Steps must be processed in the order they were scheduled. Blocks of a
 request that stops are freed when its stop is seen, even if a step already dispatched still writes to them: the
 device runs steps in order, so a later owner's writes always land after those stale ones.
 
@@ -60,11 +63,11 @@ from deepinfer_jax.engine.params import (
     SamplingParams,
     validate_request,
 )
-from deepinfer_jax.engine.plan import PENDING_TOKEN, StepPlan, choose_bucket
+from deepinfer_jax.engine.plan import DeviceBatch, ScheduledRow, StepPlan, build_plan, choose_bucket
 from deepinfer_jax.text.detokenize import IncrementalDetokenizer
 from deepinfer_jax.text.tokenizer import Tokenizer
 
-__all__ = ["Request", "RequestStatus", "Scheduler", "SchedulerStats"]
+__all__ = ["DeviceScheduler", "Request", "RequestStatus", "Scheduler", "SchedulerStats", "route"]
 
 
 class RequestStatus(enum.Enum):
@@ -205,16 +208,6 @@ class SchedulerStats:
     """Samples discarded because their request had stopped after the step was scheduled."""
 
 
-@dataclasses.dataclass
-class _Row:
-    request: Request
-    start: int
-    length: int
-    sample: bool
-    pending_input: bool
-    decode: bool
-
-
 def _priority(req: Request) -> tuple[int, int]:
     """Serving order of running requests (ascending) and preemption order (descending): output length, then
     arrival."""
@@ -229,8 +222,8 @@ def _positive(name: str, value: Any, minimum: int = 1) -> int:
     return int(value)
 
 
-class Scheduler:
-    """Host scheduler over a block pool and a state-slot pool; see the module docstring for the policy.
+class DeviceScheduler:
+    """One device's scheduler over its block pool and state-slot pool; see the module docstring for the policy.
 
     Args:
         num_blocks: cache blocks in the pool (block 0 is reserved, so ``num_blocks - 1`` are usable).
@@ -316,7 +309,7 @@ class Scheduler:
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []
         self._ready: list[RequestOutput] = []
-        self._in_flight: collections.OrderedDict[StepPlan, list[Request]] = collections.OrderedDict()
+        self._in_flight: dict[DeviceBatch, None] = {}
         self._order = 0
         self.stats = SchedulerStats()
 
@@ -410,10 +403,6 @@ class Scheduler:
         """The state of an unfinished request (``KeyError`` once it has finished)."""
         return self._requests[request_id]
 
-    def rows(self, plan: StepPlan) -> list[Request]:
-        """The requests of ``plan``'s real rows, in row order (for building the step's sampling inputs)."""
-        return list(self._in_flight[plan])
-
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued or running, or a finished one has not been reported yet."""
         return bool(self._waiting or self._running or self._ready)
@@ -433,9 +422,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------- schedule
 
-    def schedule(self) -> StepPlan | None:
-        """Plan the next step, or ``None`` when nothing can run now (everything waits for in-flight tokens,
-        or there is no work)."""
+    def schedule(self) -> DeviceBatch | None:
+        """This device's rows of the next step, or ``None`` when nothing can run now (everything waits for
+        in-flight tokens, or there is no work)."""
         rows, tokens_left = self._schedule_running()
 
         while self._waiting and tokens_left > 0 and len(rows) < self.seq_budget:
@@ -454,14 +443,14 @@ class Scheduler:
             req.num_computed = 0
             self._running.append(req)
             q = min(req.num_known, tokens_left)
-            rows.append(_Row(req, 0, q, q == req.num_known, False, False))
+            rows.append(ScheduledRow(req, 0, q, q == req.num_known, False, False))
             tokens_left -= q
 
         if not rows:
             return None
-        return self._build_plan(self._fill_bucket(rows))
+        return self._commit(self._fill_bucket(rows))
 
-    def _fill_bucket(self, rows: list[_Row]) -> list[_Row]:
+    def _fill_bucket(self, rows: list[ScheduledRow]) -> list[ScheduledRow]:
         """Cut the step's prefill tokens to a bucket they fill, when the bucket they need is mostly padding.
 
         The step's tokens are padded up to the smallest bucket that holds them, and a padded token costs what
@@ -487,9 +476,9 @@ class Scheduler:
         return rows
 
     @staticmethod
-    def _trim_rows(rows: list[_Row], excess: int) -> list[_Row]:
+    def _trim_rows(rows: list[ScheduledRow], excess: int) -> list[ScheduledRow]:
         """New rows with ``excess`` prefill tokens taken off the end (rows left with none are omitted)."""
-        out: list[_Row] = []
+        out: list[ScheduledRow] = []
         for row in reversed(rows):
             cut = 0 if row.decode else min(excess, row.length)
             excess -= cut
@@ -502,7 +491,7 @@ class Scheduler:
         out.reverse()
         return out
 
-    def _schedule_running(self) -> tuple[list[_Row], int]:
+    def _schedule_running(self) -> tuple[list[ScheduledRow], int]:
         """Rows of the running requests (admission order, within the budgets) and the tokens left.
 
         The rows are first planned without allocating. If their new blocks exceed the free ones, the running
@@ -512,7 +501,7 @@ class Scheduler:
         ends with at least one row whenever a request runs.
         """
         while True:
-            rows: list[_Row] = []
+            rows: list[ScheduledRow] = []
             tokens_left = self.token_budget
             new_blocks = 0
             for req in self._running:
@@ -527,7 +516,7 @@ class Scheduler:
                     continue  # its in-flight tokens complete it; stopping is certain
                 new_blocks += max(0, self.blocks.blocks_for(start + q) - len(req.block_ids))
                 decode = sample and q == 1 and start >= req.prompt_len
-                rows.append(_Row(req, start, q, sample, req.pending > 0, decode))
+                rows.append(ScheduledRow(req, start, q, sample, req.pending > 0, decode))
                 tokens_left -= q
             if new_blocks <= self.blocks.num_free:
                 break
@@ -555,35 +544,11 @@ class Scheduler:
             self.slots.free([req.slot])
             req.slot = -1
 
-    def _build_plan(self, rows: list[_Row]) -> StepPlan:
-        num_tokens = sum(r.length for r in rows)
-        num_seqs = len(rows)
-        t, s = choose_bucket(num_tokens, num_seqs, self.buckets)
-        token_ids = np.zeros(t, np.int32)
-        positions = np.zeros(t, np.int32)
-        token_seq = np.full(t, s, np.int32)
-        seq_slots = np.full(s, -1, np.int32)
-        query_start = np.full(s + 1, num_tokens, np.int32)
-        context_lens = np.zeros(s, np.int32)
-        block_tables = np.full((s, self.max_blocks_per_seq), -1, np.int32)
-        sample = np.zeros(s, np.bool_)
+    def _commit(self, rows: list[ScheduledRow]) -> DeviceBatch:
+        """Account the step's rows (tokens now computed, samples now pending) and keep the batch in flight."""
         now = self._clock()
-        offset = 0
-        for i, row in enumerate(rows):
+        for row in rows:
             req = row.request
-            end = offset + row.length
-            if row.pending_input:
-                token_ids[offset] = PENDING_TOKEN
-            else:
-                token_ids[offset:end] = req.tokens(row.start, row.start + row.length)
-            positions[offset:end] = np.arange(row.start, row.start + row.length, dtype=np.int32)
-            token_seq[offset:end] = i
-            seq_slots[i] = req.slot
-            query_start[i] = offset
-            context_lens[i] = row.start + row.length
-            block_tables[i, : len(req.block_ids)] = req.block_ids
-            sample[i] = row.sample
-            offset = end
             req.num_computed += row.length
             if row.sample:
                 req.pending += 1
@@ -593,30 +558,17 @@ class Scheduler:
                 self.stats.num_decode_tokens += 1
             else:
                 self.stats.num_prefill_tokens += row.length
-        plan = StepPlan(
-            token_ids=token_ids,
-            positions=positions,
-            token_seq=token_seq,
-            seq_slots=seq_slots,
-            query_start=query_start,
-            context_lens=context_lens,
-            block_tables=block_tables,
-            sample=sample,
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
-            request_ids=tuple(r.request.request_id for r in rows),
-        )
-        self._in_flight[plan] = [r.request for r in rows]
+        batch = DeviceBatch(tuple(rows))
+        self._in_flight[batch] = None
         self.stats.num_steps += 1
-        self.stats.num_scheduled_tokens += num_tokens
-        self.stats.num_padding_tokens += t - num_tokens
-        return plan
+        self.stats.num_scheduled_tokens += batch.num_tokens
+        return batch
 
     # ------------------------------------------------------------------------------------ process outputs
 
     def process_outputs(
         self,
-        plan: StepPlan,
+        batch: DeviceBatch,
         sampled_tokens: Any,
         *,
         logprob: Any = None,
@@ -624,14 +576,16 @@ class Scheduler:
         top_ids: Any = None,
         top_logprobs: Any = None,
         prompt_logprobs: tuple[Any, Any, Any, Any] | None = None,
+        sum_smaller: Any = None,
+        top_sum_smaller: Any = None,
     ) -> list[RequestOutput]:
-        """Take the sampled tokens of ``plan`` (the oldest unprocessed plan), apply stops, free what finished.
+        """Take the sampled tokens of ``batch`` (the oldest unprocessed one), apply stops, free what finished.
 
         ``sampled_tokens`` is ``[S]`` (or at least ``[num_seqs]``), one per row; rows with ``sample`` false are
         ignored. ``logprob`` / ``rank`` (``[S]``) and ``top_ids`` / ``top_logprobs`` (``[S, n]``) are the
         sampler's logprob outputs, needed when a request asked for ``logprobs``. ``prompt_logprobs`` is the
         step's per-token ``(logprob [T], rank [T], top_ids [T, n], top_logprobs [T, n])`` of the next prompt
-        token, needed when a row of the plan computes prompt tokens of a request that asked for
+        token, needed when a row of the batch computes prompt tokens of a request that asked for
         ``prompt_logprobs`` (a recomputed prompt keeps the entries it already has). A token outside the vocabulary
         (what a sampler reports for a row without a finite logit) ends that request with an error.
 
@@ -639,14 +593,14 @@ class Scheduler:
         requests finished outside a step (see :meth:`take_ready_outputs`).
         """
         if not self._in_flight:
-            raise ValueError("process_outputs: no plan is in flight")
+            raise ValueError("process_outputs: no step is in flight")
         oldest = next(iter(self._in_flight))
-        if plan is not oldest:
-            raise ValueError("process_outputs: plans must be processed in the order they were scheduled")
-        rows = self._in_flight.pop(plan)
+        if batch is not oldest:
+            raise ValueError("process_outputs: steps must be processed in the order they were scheduled")
+        del self._in_flight[batch]
         tokens = np.asarray(sampled_tokens)
-        if tokens.ndim != 1 or tokens.shape[0] < plan.num_seqs:
-            raise ValueError(f"sampled_tokens has shape {tokens.shape}, expected [{plan.padded_seqs}]")
+        if tokens.ndim != 1 or tokens.shape[0] < batch.num_seqs:
+            raise ValueError(f"sampled_tokens has shape {tokens.shape}, expected at least [{batch.num_seqs}]")
         arrays = {
             name: None if value is None else np.asarray(value)
             for name, value in (
@@ -654,15 +608,20 @@ class Scheduler:
                 ("rank", rank),
                 ("top_ids", top_ids),
                 ("top_logprobs", top_logprobs),
+                ("sum_smaller", sum_smaller),
+                ("top_sum_smaller", top_sum_smaller),
             )
         }
         now = self._clock()
         finished: list[RequestOutput] = []
         streamed: list[RequestOutput] = []
-        for i, req in enumerate(rows):
+        offset = 0
+        for i, row in enumerate(batch.rows):
+            req = row.request
             if req.prompt_logprobs is not None and req.status is not RequestStatus.FINISHED:
-                self._record_prompt_logprobs(req, plan, i, prompt_logprobs)
-            if not plan.sample[i]:
+                self._record_prompt_logprobs(req, row, offset, prompt_logprobs)
+            offset += row.length
+            if not row.sample:
                 continue
             if req.status is RequestStatus.FINISHED:
                 self.stats.num_wasted_samples += 1
@@ -740,7 +699,15 @@ class Scheduler:
                 f"request {req.request_id!r} asked for logprobs, but process_outputs got no logprob array"
             )
         value = float(lp[row])
-        entry = {token: Logprob(value, None if rk is None else int(rk[row]), self._decode_one(token))}
+        smaller, top_smaller = arrays["sum_smaller"], arrays["top_sum_smaller"]
+        entry = {
+            token: Logprob(
+                value,
+                None if rk is None else int(rk[row]),
+                self._decode_one(token),
+                None if smaller is None else float(smaller[row]),
+            )
+        }
         assert req.cumulative_logprob is not None
         req.cumulative_logprob += value
         n = req.params.logprobs or 0
@@ -754,17 +721,17 @@ class Scheduler:
             for j in range(n):
                 alt = int(ids[row, j])
                 if alt not in entry:
-                    entry[alt] = Logprob(float(lps[row, j]), j + 1, self._decode_one(alt))
+                    below = None if top_smaller is None else float(top_smaller[row, j])
+                    entry[alt] = Logprob(float(lps[row, j]), j + 1, self._decode_one(alt), below)
         return entry
 
     def _record_prompt_logprobs(
-        self, req: Request, plan: StepPlan, row: int, arrays: tuple[Any, Any, Any, Any] | None
+        self, req: Request, row: ScheduledRow, offset: int, arrays: tuple[Any, Any, Any, Any] | None
     ) -> None:
-        lo, hi = int(plan.query_start[row]), int(plan.query_start[row + 1])
         assert req.prompt_logprobs is not None
         targets = [
-            (t, p + 1)
-            for t, p in zip(range(lo, hi), plan.positions[lo:hi].tolist())
+            (offset + k, p + 1)
+            for k, p in enumerate(range(row.start, row.start + row.length))
             if p + 1 < req.prompt_len and req.prompt_logprobs[p + 1] is None
         ]
         if not targets:
@@ -817,3 +784,190 @@ class Scheduler:
         elif req in self._waiting:
             self._waiting.remove(req)
         self._requests.pop(req.request_id, None)
+
+
+# ------------------------------------------------------------------------------------ the engine's scheduler
+
+
+def route(loads: Sequence[tuple[int, int]]) -> int:
+    """The device a new request goes to: fewest sequences, then fewest tokens, then the lowest index.
+
+    ``loads[d]`` is ``(unfinished sequences, tokens they hold)`` of device ``d``.
+    """
+    if not loads:
+        raise ValueError("route: loads is empty; expected one (sequences, tokens) pair per device")
+    return min(range(len(loads)), key=lambda d: (loads[d][0], loads[d][1], d))
+
+
+class Scheduler:
+    """The engine's scheduler: one :class:`DeviceScheduler` per device of the mesh, a router, and the step plans.
+
+    Every device of the ``(dp, ep)`` mesh owns whole sequences and their caches, so each device gets its own
+    :class:`DeviceScheduler` (block pool, state slots, step budgets); one device is the case ``num_devices=1``.
+    A new request goes to the device with the fewest unfinished sequences, then the fewest tokens held by them,
+    then the lowest index (:func:`route`): the decision depends only on the order of requests and of finished
+    outputs, never on time or hashing, so every process of a multi-process run makes the same one.
+    :meth:`schedule` asks every device for its rows and builds the step's one
+    :class:`~deepinfer_jax.engine.plan.StepPlan` (:func:`~deepinfer_jax.engine.plan.build_plan`);
+    :meth:`process_outputs` hands each device its slice of the step's results.
+
+    Args:
+      num_devices: devices of the mesh (``dp * ep``), device ``d`` at ``(d // ep, d % ep)``.
+      banned_token_ids: ids never sampled (``sampling.banned_token_ids``), masked in every row of every step.
+      **device_args: the :class:`DeviceScheduler` arguments of every device (budgets are per device).
+    """
+
+    def __init__(
+        self, *, num_devices: int = 1, banned_token_ids: Sequence[int] = (), **device_args: Any
+    ) -> None:
+        num_devices = _positive("num_devices", num_devices)
+        self.devices: tuple[DeviceScheduler, ...] = tuple(
+            DeviceScheduler(**device_args) for _ in range(num_devices)
+        )
+        first = self.devices[0]
+        self.block_size = first.block_size
+        self.max_blocks_per_seq = first.max_blocks_per_seq
+        self.buckets = first.buckets
+        self.vocab_size = first.vocab_size
+        self.max_model_len = first.max_model_len
+        self.tokenizer = first.tokenizer
+        self.eos_token_ids = tuple(sorted(first.eos_token_ids))
+        self.banned_token_ids = tuple(int(t) for t in banned_token_ids)
+        self._assigned: list[dict[str, None]] = [{} for _ in self.devices]  # insertion-ordered request ids
+        self._owner: dict[str, int] = {}
+        # The loads as of the last change that went through this object (a batch of add_request calls between
+        # two steps updates it incrementally instead of walking every request once per add); None: recompute.
+        self._loads: list[list[int]] | None = None
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    # ---------------------------------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Any,
+        params: SamplingParams,
+        *,
+        seed: int,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> int:
+        """Route a request to a device and queue it there (:meth:`DeviceScheduler.add_request`); returns the
+        device."""
+        if request_id in self._owner:
+            raise ValueError(f"request_id {request_id!r} is already queued or running")
+        device = route(self.loads())
+        sched = self.devices[device]
+        sched.add_request(
+            request_id, prompt_token_ids, params, seed=seed, prompt=prompt, arrival_time=arrival_time
+        )
+        try:
+            tokens = sched.get_request(request_id).total_len
+        except KeyError:  # it can never fit the cache and finished at once: it holds nothing
+            return device
+        self._assigned[device][request_id] = None
+        self._owner[request_id] = device
+        if self._loads is not None:
+            self._loads[device][0] += 1
+            self._loads[device][1] += tokens
+        return device
+
+    def loads(self) -> list[tuple[int, int]]:
+        """``(unfinished sequences, tokens they hold)`` per device, the router's input.
+
+        Tokens are the prompt and the outputs so far, in-flight samples included: what the sequences hold in
+        the device's cache, or will hold once admitted.
+        """
+        if self._loads is None:
+            self._loads = [self._device_load(d) for d in range(self.num_devices)]
+        return [(seqs, tokens) for seqs, tokens in self._loads]
+
+    def _device_load(self, device: int) -> list[int]:
+        sched, assigned = self.devices[device], self._assigned[device]
+        tokens = 0
+        for rid in list(assigned):
+            try:
+                tokens += sched.get_request(rid).total_len
+            except KeyError:  # finished: it no longer loads the device
+                del assigned[rid]
+                self._owner.pop(rid, None)
+        return [len(assigned), tokens]
+
+    def device_of(self, request_id: str) -> int:
+        """The device an unfinished request was routed to (``KeyError`` once it has finished)."""
+        return self._owner[request_id]
+
+    def get_request(self, request_id: str) -> Request:
+        """The state of an unfinished request (``KeyError`` once it has finished)."""
+        return self.devices[self._owner[request_id]].get_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request is queued or running, or a finished one has not been reported yet."""
+        return any(s.has_unfinished_requests() for s in self.devices)
+
+    def take_ready_outputs(self) -> list[RequestOutput]:
+        """Outputs of requests that finished outside a step (those that can never fit the cache)."""
+        return [o for s in self.devices for o in s.take_ready_outputs()]
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(s.num_waiting for s in self.devices)
+
+    @property
+    def num_running(self) -> int:
+        return sum(s.num_running for s in self.devices)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Steps scheduled and not yet processed."""
+        return max(s.num_in_flight for s in self.devices)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """Every device's counters summed (``num_steps`` counts device batches)."""
+        total = SchedulerStats()
+        for s in self.devices:
+            for f in dataclasses.fields(SchedulerStats):
+                setattr(total, f.name, getattr(total, f.name) + getattr(s.stats, f.name))
+        return total
+
+    # ---------------------------------------------------------------------------------------- steps
+
+    def schedule(self) -> StepPlan | None:
+        """The next step over every device (:class:`~deepinfer_jax.engine.plan.StepPlan`), or ``None`` when no
+        device can run anything now."""
+        self._loads = None  # scheduling changes what the requests hold (in-flight samples)
+        batches = tuple(s.schedule() for s in self.devices)
+        if all(b is None for b in batches):
+            return None
+        plan = build_plan(
+            batches,
+            buckets=self.buckets,
+            max_blocks_per_seq=self.max_blocks_per_seq,
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            banned_token_ids=self.banned_token_ids,
+        )
+        for s, b in zip(self.devices, batches, strict=True):
+            s.stats.num_padding_tokens += plan.padded_tokens - (0 if b is None else b.num_tokens)
+        return plan
+
+    def process_outputs(self, plan: StepPlan, sampled_tokens: Any, **arrays: Any) -> list[RequestOutput]:
+        """Hand each device its slice of ``plan``'s results and return the requests that finished.
+
+        ``sampled_tokens`` and the keyword arrays of :meth:`DeviceScheduler.process_outputs` (``logprob``, ``rank``,
+        ``top_ids``, ``top_logprobs``, the ``prompt_logprobs`` tuple) come with a leading device axis ``D``.
+        """
+        self._loads = None
+        out: list[RequestOutput] = []
+        for d, batch in enumerate(plan.batches):
+            if batch is not None:
+                part = {
+                    k: None if v is None else tuple(a[d] for a in v) if isinstance(v, tuple) else v[d]
+                    for k, v in arrays.items()
+                }
+                out.extend(self.devices[d].process_outputs(batch, sampled_tokens[d], **part))
+        return out

@@ -1,29 +1,32 @@
-"""The device side of one engine step: a jitted forward over a ragged batch and paged caches, then sampling.
+"""The device side of one engine step: one ``shard_map`` over the mesh, a ragged forward and sampling per device.
 
-One call of the step (ARCHITECTURE §4) takes the parameters, the model's caches, the per-slot sampling state
-and the arrays of a :class:`~deepinfer_jax.engine.plan.StepPlan`, and
+The engine always runs on a ``(dp, ep)`` mesh; one device is the ``(1, 1)`` mesh. :func:`step` is one
+``jax.shard_map`` over it: every array but the parameters has a leading device axis, and each device runs
+:func:`device_step` on its own part of the :class:`~deepinfer_jax.engine.plan.StepInputs`, its cache shard and
+its state shard. Parameters are replicated except routed-expert slots laid out over ``ep``
+(:mod:`deepinfer_jax.parallel.manual`), whose MoE dispatch and combine are the step's only collectives; on one
+device (or with ``ep = 1``) the experts are local and the lowered step has no collective at all.
+
+:func:`device_step`, for one device's tokens:
 
 1. **assembles** the token ids: ``-1`` entries are replaced by the token the owning slot sampled last step
    (read from the state), so step N+1 can be dispatched before step N's tokens reach the host;
-2. runs the **model** over all tokens at once -- prefill chunks and decode tokens of many sequences mixed in
-   one flat batch -- through the family's :class:`~deepinfer_jax.engine.paged_model.PagedModel` (DeepSeek-V3:
-   paged latent cache, ``engine/paged_v3.py``; V4 and V4.1: paged compressed entries plus window rings and
-   compression state in state slots), which returns the logits of each row's last token;
-3. records every input token in its slot's **token counts** (prompt positions flag the id, later positions
+2. records every input token in its slot's **token counts** (prompt positions flag the id, later positions
    count it as generated; a row starting at position 0 first clears its slot), so the penalties see exactly
    the tokens before the one being sampled, also after a recompute;
+3. runs the **model** over all tokens at once -- prefill chunks and decode tokens of many sequences mixed in
+   one flat batch -- through the family's :class:`~deepinfer_jax.models.paged.PagedModel`, which returns the
+   logits of each row's last token (of every token when the step computes prompt logprobs);
 4. **samples** the rows with :func:`deepinfer_jax.sampling.sample` (temperature 0: exact argmax, lowest id on
    ties, no random numbers);
 5. **advances the state**: the sampled token of each sampling row becomes its slot's ``last_token``.
 
 Cache and state are donated, so the step updates them in place and only small per-row results (tokens,
-logprobs) travel back. :class:`StepExecutor` compiles the step once per ``(tokens, sequences)`` bucket when
-the bucket is first used (ahead of time, so a shape outside the compiled set fails loudly instead of
-recompiling) and counts compilations and their time.
+logprobs) travel back. :class:`StepExecutor` compiles the step once per variant when it is first used (ahead
+of time, so a shape outside the compiled set fails loudly instead of recompiling) and counts compilations.
 
-Batch-invariant mode runs every per-token computation (projections, MLP/MoE, LM head) in fixed tiles of
-:data:`~deepinfer_jax.engine.paged_model.BATCH_INVARIANT_TILE` tokens: on XLA:CPU a float32 matmul row
-otherwise depends on how many rows share the matmul, so a request's logits would change with the batch.
+Batch-invariant mode runs every per-token computation in fixed tiles of
+:data:`~deepinfer_jax.ops.tiling.BATCH_INVARIANT_TILE` tokens (:mod:`deepinfer_jax.ops.tiling`).
 """
 
 from __future__ import annotations
@@ -36,12 +39,17 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from deepinfer_jax.cache.ragged import make_meta
-from deepinfer_jax.engine.paged_model import BATCH_INVARIANT_TILE, PagedModel
-from deepinfer_jax.engine.plan import StepPlan
+from deepinfer_jax.engine.plan import StepInputs, StepPlan
+from deepinfer_jax.models.paged import PagedModel
+from deepinfer_jax.ops.selection import OpSelection, use_selection
+from deepinfer_jax.ops.tiling import BATCH_INVARIANT_TILE, token_scope
+from deepinfer_jax.parallel.manual import expert_count_layout, expert_counts, manual_params, param_specs
+from deepinfer_jax.parallel.mesh import ALL_AXES, mesh_sizes
+from deepinfer_jax.parallel.model_parallel import place_on_mesh
 from deepinfer_jax.sampling import (
-    SamplingTensors,
     init_token_counts,
     reset_token_counts,
     sample,
@@ -50,13 +58,13 @@ from deepinfer_jax.sampling import (
 )
 
 __all__ = [
-    "BATCH_INVARIANT_TILE",
-    "CompiledStep",
+    "DEVICE_SPEC",
     "PromptLogprobs",
+    "SamplerOptions",
     "StepExecutor",
-    "StepInputs",
     "StepOutput",
     "StepState",
+    "device_step",
     "init_state",
     "prompt_logprobs",
     "state_bytes",
@@ -65,80 +73,37 @@ __all__ = [
 
 Params = dict[str, Any]
 
+DEVICE_SPEC = PartitionSpec(ALL_AXES)
+"""The leading device axis of every per-device array (plans, caches, state, outputs), spread over the mesh."""
+
+
+class SamplerOptions(NamedTuple):
+    """Engine-wide sampler settings, static arguments of the step.
+
+    Attributes:
+      logprobs_mode: what reported logprobs are (``LLM(logprobs_mode=)``; vLLM's four values,
+        :data:`~deepinfer_jax.sampling.LOGPROBS_MODES`).
+      force_top_k: > 0: every row samples among its top-k logits (``sampling.force_top_k``).
+      sum_smaller: report each logprob's inclusive CDF (``sampling.compute_sum_smaller_probs``).
+    """
+
+    logprobs_mode: str = "raw_logprobs"
+    force_top_k: int = 0
+    sum_smaller: bool = False
+
 
 class StepState(NamedTuple):
-    """Per-slot device state carried from step to step (donated).
+    """Per-slot device state carried from step to step (donated; stacked ``[D, ...]`` over the mesh).
 
     Attributes:
       last_tokens: int32 ``[num_slots]``: the token each slot sampled most recently (what a ``-1`` input
-      reads).
+        reads).
       token_counts: int32 ``[num_slots, V]``: per-slot prompt flags and generated counts
         (:mod:`deepinfer_jax.sampling.counts`) for the repetition, presence and frequency penalties.
     """
 
     last_tokens: jax.Array
     token_counts: jax.Array
-
-
-class StepInputs(NamedTuple):
-    """The arrays of a :class:`StepPlan`, as the jitted step takes them (see the plan for their meaning)."""
-
-    token_ids: jax.Array
-    positions: jax.Array
-    token_seq: jax.Array
-    seq_slots: jax.Array
-    query_start: jax.Array
-    context_lens: jax.Array
-    block_tables: jax.Array
-    sample: jax.Array
-
-    @classmethod
-    def from_plan(cls, plan: StepPlan, max_blocks_per_seq: int) -> StepInputs:
-        """Numpy arrays of ``plan`` with the block tables padded (``-1``) to the executor's fixed width."""
-        tables = plan.block_tables
-        width = tables.shape[1]
-        if width > max_blocks_per_seq:
-            used = tables[:, max_blocks_per_seq:]
-            if np.any(used >= 0):
-                raise ValueError(
-                    f"StepPlan.block_tables: width {width} uses entries past max_blocks_per_seq = {max_blocks_per_seq}"
-                )
-            tables = tables[:, :max_blocks_per_seq]
-        elif width < max_blocks_per_seq:
-            tables = np.pad(tables, ((0, 0), (0, max_blocks_per_seq - width)), constant_values=-1)
-        return cls(
-            plan.token_ids,
-            plan.positions,
-            plan.token_seq,
-            plan.seq_slots,
-            plan.query_start,
-            plan.context_lens,
-            np.ascontiguousarray(tables),
-            plan.sample,
-        )
-
-
-class StepOutput(NamedTuple):
-    """What a step returns to the host: small per-row arrays only.
-
-    Attributes:
-      tokens: int32 ``[S]`` the token sampled for each row (meaningful where the plan's ``sample`` is true);
-        ``-1`` where the sampler found the row's logits unusable (the host ends that request with an error).
-      logprob, rank: ``[S]`` the sampled token's reported log-probability and 1-based rank.
-      top_ids, top_logprobs: ``[S, n]`` the ``n`` most probable alternatives (``n = num_logprobs``).
-      logits: float32 ``[S, V]`` the sampled rows' logits, only when the executor was built with
-        ``return_logits=True`` (tests and debugging); otherwise ``None``.
-      prompt: per-token prompt logprobs (:class:`PromptLogprobs`) when the step was run with
-        ``num_prompt_logprobs >= 0``; otherwise ``None``.
-    """
-
-    tokens: jax.Array
-    logprob: jax.Array
-    rank: jax.Array
-    top_ids: jax.Array
-    top_logprobs: jax.Array
-    logits: jax.Array | None
-    prompt: PromptLogprobs | None = None
 
 
 class PromptLogprobs(NamedTuple):
@@ -158,6 +123,36 @@ class PromptLogprobs(NamedTuple):
     rank: jax.Array
     top_ids: jax.Array
     top_logprobs: jax.Array
+
+
+class StepOutput(NamedTuple):
+    """What a step returns to the host: small per-row arrays only (stacked ``[D, ...]`` over the mesh).
+
+    Attributes:
+      tokens: int32 ``[S]`` the token sampled for each row (meaningful where the plan's ``sample`` is true);
+        ``-1`` where the sampler found the row's logits unusable (the host ends that request with an error).
+      logprob, rank: ``[S]`` the sampled token's reported log-probability and 1-based rank.
+      top_ids, top_logprobs: ``[S, n]`` the ``n`` most probable alternatives (``n = num_logprobs``).
+      logits: float32 ``[S, V]`` the sampled rows' logits, only when the executor was built with
+        ``return_logits=True`` (tests and debugging); otherwise ``None``.
+      prompt: per-token prompt logprobs (:class:`PromptLogprobs`) when the step computes them; else ``None``.
+      sum_smaller, top_sum_smaller: ``[S]`` / ``[S, n]`` the sampled token's and the alternatives' inclusive
+        CDF in the processed distribution (``sampling.compute_sum_smaller_probs``; zeros otherwise).
+      expert_counts: int32 ``[Σ P / ep]`` the rows each local expert slot received in every slot-layout MoE
+        layer (layers side by side in the order of :func:`~deepinfer_jax.parallel.manual.expert_count_layout`)
+        when the step was built with ``counts=True``; else ``None``.
+    """
+
+    tokens: jax.Array
+    logprob: jax.Array
+    rank: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+    logits: jax.Array | None = None
+    prompt: PromptLogprobs | None = None
+    expert_counts: jax.Array | None = None
+    sum_smaller: jax.Array | None = None
+    top_sum_smaller: jax.Array | None = None
 
 
 def prompt_logprobs(
@@ -191,31 +186,28 @@ def state_bytes(num_slots: int, vocab_size: int) -> int:
     return num_slots * 4 * (1 + vocab_size)
 
 
-def step(
+def device_step(
     params: Params,
     cache: Any,
     state: StepState,
     inputs: StepInputs,
-    sampling: SamplingTensors,
-    prompt_lens: jax.Array,
-    prompt_targets: jax.Array | None = None,
     *,
     model: PagedModel,
     num_logprobs: int = 0,
     num_prompt_logprobs: int = -1,
     batch_invariant: bool = False,
     return_logits: bool = False,
+    sampler: SamplerOptions | None = None,
 ) -> tuple[Any, StepState, StepOutput]:
-    """One engine step (module docstring): ``(cache, state, StepOutput)``.
+    """One device's part of a step (module docstring): ``(cache, state, StepOutput)``.
 
-    ``sampling`` holds the ``S`` rows' sampling parameters (padding rows neutral); ``prompt_lens [S]`` each
-    row's prompt length (positions below it are prompt tokens for the penalties). With ``batch_invariant``
-    every per-token computation runs in tiles of :data:`BATCH_INVARIANT_TILE` rows and the sampler in its
-    batch-invariant mode, so a row's logits and token are bitwise the same in any batch. With
-    ``num_prompt_logprobs >= 0`` the model returns the logits of every token and the step reports
-    :class:`PromptLogprobs` for ``prompt_targets [T]`` with that many alternatives. ``model``,
-    ``num_logprobs``, ``num_prompt_logprobs``, ``batch_invariant`` and ``return_logits`` are static under jit.
+    ``inputs`` are this device's arrays (no device axis). With ``batch_invariant`` every per-token computation
+    runs in tiles of :data:`BATCH_INVARIANT_TILE` rows and the sampler in its batch-invariant mode, so a row's
+    logits and token are bitwise the same in any batch. With ``num_prompt_logprobs >= 0`` the model returns the
+    logits of every token and the step reports :class:`PromptLogprobs` for ``inputs.prompt_targets`` with that
+    many alternatives. ``sampler`` holds the engine-wide sampler settings (:class:`SamplerOptions`).
     """
+    sampler = sampler or SamplerOptions()
     num_seqs = inputs.seq_slots.shape[0]
     num_tokens = inputs.token_ids.shape[0]
     num_slots = state.last_tokens.shape[0]
@@ -231,7 +223,7 @@ def step(
     fresh = (inputs.query_start[1:] > starts) & (first_pos == 0)
     counts = reset_token_counts(state.token_counts, jnp.where(fresh, inputs.seq_slots, -1))
     token_slots = jnp.where(real, inputs.seq_slots[row], -1)
-    counts = update_token_counts(counts, token_slots, token_ids, inputs.positions < prompt_lens[row])
+    counts = update_token_counts(counts, token_slots, token_ids, inputs.positions < inputs.prompt_lens[row])
 
     meta = make_meta(
         inputs.token_seq,
@@ -244,18 +236,27 @@ def step(
     tile = BATCH_INVARIANT_TILE if batch_invariant else None
     prompt_out = None
     if num_prompt_logprobs >= 0:
-        if prompt_targets is None:
+        if inputs.prompt_targets is None:
             raise ValueError("step: num_prompt_logprobs >= 0 needs prompt_targets [T]")
         every = jnp.arange(num_tokens, dtype=jnp.int32)
         all_logits, cache = model.forward(params, cache, token_ids, meta, tile=tile, logit_index=every)
         prompt_out = prompt_logprobs(
-            all_logits, prompt_targets, num_prompt_logprobs, batch_invariant=batch_invariant
+            all_logits, inputs.prompt_targets, num_prompt_logprobs, batch_invariant=batch_invariant
         )
         logits = all_logits[meta.last_token()]
     else:
         logits, cache = model.forward(params, cache, token_ids, meta, tile=tile)  # [S, V] float32
     row_counts = counts[jnp.clip(inputs.seq_slots, 0, num_slots - 1)]
-    out = sample(logits, sampling, row_counts, num_logprobs=num_logprobs, batch_invariant=batch_invariant)
+    out = sample(
+        logits,
+        inputs.sampling,
+        row_counts,
+        num_logprobs=num_logprobs,
+        batch_invariant=batch_invariant,
+        logprobs_mode=sampler.logprobs_mode,
+        force_top_k=sampler.force_top_k,
+        sum_smaller=sampler.sum_smaller,
+    )
     writes = inputs.sample & (inputs.seq_slots >= 0)
     target = jnp.where(writes, inputs.seq_slots, num_slots)
     last_tokens = state.last_tokens.at[target].set(jnp.where(out.ok, out.tokens, 0), mode="drop")
@@ -268,44 +269,117 @@ def step(
         out.top_logprobs,
         logits if return_logits else None,
         prompt_out,
+        sum_smaller=out.sum_smaller if sampler.sum_smaller else None,
+        top_sum_smaller=out.top_sum_smaller if sampler.sum_smaller else None,
     )
     return cache, StepState(last_tokens, counts), result
+
+
+def step(
+    params: Params,
+    cache: Any,
+    state: StepState,
+    inputs: StepInputs,
+    *,
+    mesh: Mesh,
+    model: PagedModel,
+    num_logprobs: int = 0,
+    num_prompt_logprobs: int = -1,
+    batch_invariant: bool = False,
+    return_logits: bool = False,
+    counts: bool = False,
+    selection: OpSelection | None = None,
+    sampler: SamplerOptions | None = None,
+) -> tuple[Any, StepState, StepOutput]:
+    """One engine step on every device of ``mesh`` at once: :func:`device_step` inside one ``jax.shard_map``.
+
+    Every array but ``params`` has a leading device axis of ``dp * ep`` entries, spread over the mesh
+    (:data:`DEVICE_SPEC`): ``cache``, ``state``, ``inputs`` and the outputs. ``params`` is replicated except the
+    routed-expert slots of :func:`~deepinfer_jax.parallel.shard_model_params`. The keyword arguments are static.
+    With ``counts`` the output's ``expert_counts`` holds every device's rows per local slot, ``int32
+    [dp * ep, Σ P / ep]`` (device ``d`` holds slots ``(d % ep) * P / ep`` onwards; padding tokens are not
+    routed, so not counted): one array, so reading a step's counts is one transfer. ``selection`` is the op
+    selection every registry call of the step follows (:mod:`deepinfer_jax.ops.selection`; ``None``: each op's
+    automatic choice).
+    """
+    _, ep = mesh_sizes(mesh)  # a (dp, ep) mesh, or a ValueError naming its axes
+    layout = expert_count_layout(params, ep) if counts else ()
+
+    def body(params: Any, cache: Any, state: Any, inputs: Any) -> tuple[Any, Any, Any]:
+        one = jax.tree.map(lambda a: a[0], (cache, state, inputs))
+        valid = one[2].token_seq < one[2].seq_slots.shape[0]
+        with use_selection(selection), token_scope(valid) as scope:
+            cache, state, out = device_step(
+                manual_params(params, mesh),
+                *one,
+                model=model,
+                num_logprobs=num_logprobs,
+                num_prompt_logprobs=num_prompt_logprobs,
+                batch_invariant=batch_invariant,
+                return_logits=return_logits,
+                sampler=sampler,
+            )
+        if counts:
+            out = out._replace(expert_counts=expert_counts(scope, layout))
+        return jax.tree.map(lambda a: a[None], (cache, state, out))
+
+    # check_vma is off for the reason ep_moe_experts gives: op moe_experts skips experts without rows through
+    # a lax.cond whose branches differ in which mesh axes their values vary over.
+    fn = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(param_specs(params), DEVICE_SPEC, DEVICE_SPEC, DEVICE_SPEC),
+        out_specs=DEVICE_SPEC,
+        check_vma=False,
+    )
+    return fn(params, cache, state, inputs)
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=getattr(x, "sharding", None))
 
 
-class CompiledStep:
-    """What every step executor shares: the checked sizes, the jitted step and its ahead-of-time variants.
+class StepExecutor:
+    """Runs :func:`step` for one model on one mesh, compiling each variant once, on first use.
 
-    ``step_fn`` is :func:`step` or a wrapper with the same arguments (the mesh step); ``static`` adds its own
-    static keyword arguments (``model`` is always one). The variant key is ``(T, S, mask width, num_logprobs,
-    prompt-logprob width)``, read at axis ``lead`` of the inputs (1 when they carry a leading device axis). A
-    shape outside the compiled set compiles once, counted, instead of recompiling silently. Subclasses create
-    ``self.cache`` and ``self.state`` and dispatch through :meth:`_dispatch`.
+    Holds every device's cache and state, stacked on a leading device axis and spread over the mesh (donated to
+    every step and replaced by its outputs). :meth:`run` dispatches a step and returns its :class:`StepOutput`
+    without waiting for it, so the caller can build and dispatch the next step before reading this one's tokens.
+    The variant key is the plan's ``(T, S, mask width, num_logprobs, prompt-logprob width)``
+    (:attr:`~deepinfer_jax.engine.plan.StepPlan.variant`); each is compiled ahead of time when first needed.
+
+    Args:
+      params: the parameters laid out on ``mesh`` (replicated, routed experts possibly in ``ep``-sharded slots).
+      model: the family's :class:`~deepinfer_jax.models.paged.PagedModel`.
+      mesh: the ``(dp, ep)`` mesh (``(1, 1)`` for one device).
+      num_blocks, num_slots: each device's cache blocks and state slots.
+      max_blocks_per_seq: block-table width.
+      return_logits: every step also returns the sampled rows' logits (tests and debugging).
+      batch_invariant: the batch-invariant mode of :func:`device_step`.
+      expert_counts: every step also returns its per-layer expert counts (EPLB and ``moe_lb`` read them).
+      selection: the op selection the step is compiled under (``ops.backend`` / ``ops.overrides``,
+        :func:`~deepinfer_jax.ops.selection.resolve_selection`); ``None`` = every op's automatic choice.
+      sampler: the engine-wide :class:`SamplerOptions`.
 
     Attributes:
       compile_count: compilations done so far (one per variant used).
       compile_seconds: total wall time spent compiling.
     """
 
-    cache: Any
-    state: Any
-
     def __init__(
         self,
-        step_fn: Callable[..., Any],
         params: Params,
         model: PagedModel,
+        mesh: Mesh,
         *,
         num_blocks: int,
         num_slots: int,
         max_blocks_per_seq: int,
-        return_logits: bool,
-        batch_invariant: bool,
-        static: dict[str, Any] | None = None,
-        lead: int = 0,
+        return_logits: bool = False,
+        batch_invariant: bool = False,
+        expert_counts: bool = False,
+        selection: OpSelection | None = None,
+        sampler: SamplerOptions | None = None,
     ) -> None:
         if not isinstance(model, PagedModel):
             raise TypeError(f"model: expected a PagedModel, got {type(model).__name__}")
@@ -316,46 +390,61 @@ class CompiledStep:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+        dp, ep = mesh_sizes(mesh)
         self.params = params
         self.model = model
+        self.mesh = mesh
+        self.num_devices = dp * ep
         self.num_blocks = num_blocks
+        self.num_slots = num_slots
         self.max_blocks_per_seq = max_blocks_per_seq
         self.vocab_size = int(model.vocab_size)
-        self._static = {"model": model, **(static or {})}
-        self._lead = lead
+        self.returns_expert_counts = bool(expert_counts)
+        self._static = {
+            "mesh": mesh,
+            "model": model,
+            "batch_invariant": bool(batch_invariant),
+            "return_logits": bool(return_logits),
+            "counts": self.returns_expert_counts,
+            "selection": selection,
+            "sampler": sampler or SamplerOptions(),
+        }
         self._jitted = jax.jit(
-            step_fn,
-            static_argnames=(
-                *self._static,
-                "num_logprobs",
-                "num_prompt_logprobs",
-                "batch_invariant",
-                "return_logits",
-            ),
+            step,
+            static_argnames=(*self._static, "num_logprobs", "num_prompt_logprobs"),
             donate_argnums=(1, 2),
         )
-        self._return_logits = bool(return_logits)
-        self._batch_invariant = bool(batch_invariant)
+        self._sharding = NamedSharding(mesh, DEVICE_SPEC)
         self._compiled: dict[tuple[int, ...], Any] = {}
         self._lock = threading.Lock()
         self.compile_count = 0
         self.compile_seconds = 0.0
+        self.cache = self._stacked(lambda: model.init_cache(num_blocks, num_slots))
+        self.state = self._stacked(lambda: init_state(num_slots, self.vocab_size))
 
     @property
     def compiled_buckets(self) -> tuple[tuple[int, int], ...]:
         """The ``(T, S)`` buckets compiled so far (a bucket may have variants by mask width and logprobs)."""
         return tuple(sorted({key[:2] for key in self._compiled}))
 
-    def _executable(self, args: tuple[Any, ...], num_logprobs: int, num_prompt_logprobs: int) -> Any:
-        inputs, sampling = args[0], args[1]
-        lead = self._lead
-        key = (
-            int(inputs.token_ids.shape[lead]),
-            int(inputs.seq_slots.shape[lead]),
-            int(sampling.masked_ids.shape[lead + 1]),
-            num_logprobs,
-            num_prompt_logprobs,
-        )
+    def _stacked(self, make: Callable[[], Any]) -> Any:
+        """``make()``'s pytree once per device, stacked on a leading device axis and created in place, sharded."""
+        d = self.num_devices
+        return jax.jit(
+            lambda: jax.tree.map(lambda a: jnp.broadcast_to(a[None], (d, *a.shape)), make()),
+            out_shardings=self._sharding,
+        )()
+
+    def _place(self, inputs: StepInputs) -> Any:
+        """The plan's numpy arrays as global arrays on the mesh, copied explicitly (the transfer guard allows it)."""
+        if self._sharding.is_fully_addressable:
+            return jax.device_put(inputs, self._sharding)
+        # Each process copies its own shards (make_array_from_callback): explicit, but the guard cannot tell.
+        with jax.transfer_guard("allow"):
+            return jax.tree.map(lambda a: place_on_mesh(a, self._sharding), inputs)
+
+    def _executable(self, plan: StepPlan, inputs: Any) -> Any:
+        key = plan.variant
         with self._lock:
             fn = self._compiled.get(key)
             if fn is None:
@@ -364,99 +453,35 @@ class CompiledStep:
                     self.params,
                     jax.tree.map(_struct, self.cache),
                     jax.tree.map(_struct, self.state),
-                    *jax.tree.map(_struct, args),
+                    jax.tree.map(
+                        lambda a: jax.ShapeDtypeStruct(
+                            np.shape(a), jnp.result_type(a), sharding=self._sharding
+                        ),
+                        inputs,
+                    ),
                     **self._static,
-                    num_logprobs=num_logprobs,
-                    num_prompt_logprobs=num_prompt_logprobs,
-                    batch_invariant=self._batch_invariant,
-                    return_logits=self._return_logits,
+                    num_logprobs=plan.num_logprobs,
+                    num_prompt_logprobs=plan.num_prompt_logprobs,
                 ).compile()
                 self.compile_seconds += time.perf_counter() - start
                 self.compile_count += 1
                 self._compiled[key] = fn
         return fn
 
-    def _dispatch(self, args: tuple[Any, ...], num_logprobs: int, num_prompt_logprobs: int) -> StepOutput:
-        """Run the variant for ``args`` on the held cache and state (both donated and replaced)."""
-        fn = self._executable(args, num_logprobs, num_prompt_logprobs)
-        self.cache, self.state, out = fn(self.params, self.cache, self.state, *args)
+    def run(self, plan: StepPlan) -> StepOutput:
+        """Dispatch one step for ``plan``; returns its stacked outputs (``[D, S, ...]``) without waiting."""
+        inputs = plan.inputs
+        if plan.num_devices != self.num_devices:
+            raise ValueError(f"plan: {plan.num_devices} devices, but the mesh has {self.num_devices}")
+        if plan.max_blocks_per_seq != self.max_blocks_per_seq:
+            raise ValueError(
+                f"plan: block tables of width {plan.max_blocks_per_seq}, the executor's is {self.max_blocks_per_seq}"
+            )
+        placed = self._place(inputs)
+        fn = self._executable(plan, placed)
+        self.cache, self.state, out = fn(self.params, self.cache, self.state, placed)
         return out
 
-
-class StepExecutor(CompiledStep):
-    """Runs :func:`step` for one model and one cache, compiling each ``(T, S)`` bucket once, on first use.
-
-    Holds the device cache and state between calls (they are donated to every step and replaced by its
-    outputs). :meth:`run` dispatches a step and returns its :class:`StepOutput` without waiting for it, so the
-    caller can build and dispatch the next step before reading this one's tokens. Compilation is counted as
-    :class:`CompiledStep` describes.
-    """
-
-    def __init__(
-        self,
-        params: Params,
-        model: PagedModel,
-        *,
-        num_blocks: int,
-        num_slots: int,
-        max_blocks_per_seq: int,
-        return_logits: bool = False,
-        batch_invariant: bool = False,
-        cache_sharding: Any = None,
-    ) -> None:
-        super().__init__(
-            step,
-            params,
-            model,
-            num_blocks=num_blocks,
-            num_slots=num_slots,
-            max_blocks_per_seq=max_blocks_per_seq,
-            return_logits=return_logits,
-            batch_invariant=batch_invariant,
-        )
-        self.cache = model.init_cache(num_blocks, num_slots, cache_sharding)
-        self.state = init_state(num_slots, self.vocab_size)
-
-    def run(
-        self,
-        plan: StepPlan,
-        sampling: SamplingTensors | None = None,
-        prompt_lens: np.ndarray | None = None,
-        *,
-        num_logprobs: int = 0,
-        prompt_targets: np.ndarray | None = None,
-        num_prompt_logprobs: int = 0,
-    ) -> StepOutput:
-        """Dispatch one step for ``plan``; returns its (not yet materialised) outputs.
-
-        ``sampling`` defaults to greedy rows; ``prompt_lens`` (int32 ``[S]``) defaults to the context lengths
-        (every input token counts as prompt for the penalties). ``num_logprobs`` is the number of top
-        alternatives to report (each distinct value is its own compiled variant: round it to a few values).
-        ``prompt_targets`` (int32 ``[T]``, the next prompt token of each token or ``-1``) turns on prompt
-        logprobs with ``num_prompt_logprobs`` alternatives (its own compiled variant of the bucket).
-        """
-        num_rows = plan.padded_seqs
-        if sampling is None:
-            sampling = SamplingTensors.build([], [], [], self.vocab_size, num_rows=num_rows)
-        if sampling.num_rows != num_rows:
-            raise ValueError(f"sampling: {sampling.num_rows} rows, but the plan has S = {num_rows}")
-        if prompt_lens is None:
-            prompt_lens = plan.context_lens
-        prompt_lens = np.asarray(prompt_lens, np.int32)
-        if prompt_lens.shape != (num_rows,):
-            raise ValueError(f"prompt_lens: shape {prompt_lens.shape}, expected ({num_rows},)")
-        args: tuple[Any, ...] = (StepInputs.from_plan(plan, self.max_blocks_per_seq), sampling, prompt_lens)
-        variant = -1
-        if prompt_targets is not None:
-            prompt_targets = np.asarray(prompt_targets, np.int32)
-            if prompt_targets.shape != (plan.padded_tokens,):
-                raise ValueError(
-                    f"prompt_targets: shape {prompt_targets.shape}, expected ({plan.padded_tokens},)"
-                )
-            args = (*args, prompt_targets)
-            variant = int(num_prompt_logprobs)
-        return self._dispatch(args, int(num_logprobs), variant)
-
     def reset_state(self) -> None:
-        """Zero the per-slot state; the cache needs no reset (every read is preceded by its write)."""
-        self.state = init_state(int(self.state.last_tokens.shape[0]), self.vocab_size)
+        """Zero every device's per-slot state; the caches need no reset (every read follows its write)."""
+        self.state = self._stacked(lambda: init_state(self.num_slots, self.vocab_size))

@@ -11,7 +11,12 @@ A :class:`ModelFamily` bundles the family-specific functions behind one interfac
 * ``forward_logits(params, cfg, input_ids)`` -- the full forward without cache, ``[B, S] -> [B, S, V]``
   float32 (``cfg`` static under ``jax.jit``);
 * ``logical_axes(params)`` -- the logical axis names of every parameter leaf (a pytree of tuples), which
-  ``parallel/`` maps to mesh axes to lay the parameters out over a device mesh.
+  ``parallel/`` maps to mesh axes to lay the parameters out over a device mesh;
+* ``cache_storage(dtype, kv_cache_dtype)`` -- the engine's cache storage in a precision mode for a
+  ``kv_cache_dtype`` setting (``ValueError`` for a value the family does not support), checked before any weight
+  is read;
+* ``paged_model(model, block_size=, dtype=, kv_cache_dtype=)`` -- the engine's view of a loaded model
+  (:class:`~deepinfer_jax.models.paged.PagedModel`: its paged caches and its forward over a ragged batch).
 
 Families live in their own modules, each exposing ``FAMILY``; :func:`get_family` imports them lazily from a
 table keyed by the HF ``model_type``, so importing this module costs nothing and a family under construction
@@ -39,6 +44,8 @@ class ModelFamily:
     init_params: Callable[[Any, int, str], Any]
     forward_logits: Callable[[Any, Any, Any], Any]
     logical_axes: Callable[[Any], Any] | None = None
+    cache_storage: Callable[[str, str], str] | None = None
+    paged_model: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -48,10 +55,16 @@ class ModelFamily:
         for field in ("expected_tensors", "assemble_params", "init_params", "forward_logits"):
             if not callable(getattr(self, field)):
                 raise TypeError(f"ModelFamily.{field}: expected a callable, got {getattr(self, field)!r}")
-        if self.logical_axes is not None and not callable(self.logical_axes):
-            raise TypeError(
-                f"ModelFamily.logical_axes: expected a callable or None, got {self.logical_axes!r}"
-            )
+        for field in ("logical_axes", "cache_storage", "paged_model"):
+            value = getattr(self, field)
+            if value is not None and not callable(value):
+                raise TypeError(f"ModelFamily.{field}: expected a callable or None, got {value!r}")
+
+    def engine_support(self) -> tuple[Callable[[str, str], str], Callable[..., Any]]:
+        """``(cache_storage, paged_model)``, or ``NotImplementedError`` for a family the engine cannot run."""
+        if self.cache_storage is None or self.paged_model is None:
+            raise NotImplementedError(f"model: the engine has no paged caches for model family {self.name!r}")
+        return self.cache_storage, self.paged_model
 
 
 FAMILY_MODULES: dict[str, str] = {

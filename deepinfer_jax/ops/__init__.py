@@ -6,7 +6,15 @@ See ``docs/ops.md``.
 """
 
 import custom_calls.cutedsl as _cutedsl
-from deepinfer_jax.ops import gemm, grouped_gemm, moe_kernels, swiglu  # noqa: F401  (registers the ops)
+from deepinfer_jax.ops import (  # noqa: F401  (registers the ops)
+    gemm,
+    grouped_gemm,
+    indexer,
+    kv_store,
+    moe_kernels,
+    sparse_attention,
+    swiglu,
+)
 from deepinfer_jax.ops.registry import (
     AUTO,
     KNOWN_BACKENDS,
@@ -38,6 +46,14 @@ from deepinfer_jax.ops.rope import (
     yarn_mscale,
     yarn_softmax_scale_correction,
 )
+from deepinfer_jax.ops.selection import (
+    OpChoice,
+    OpSelection,
+    active_selection,
+    bind_selection,
+    resolve_selection,
+    use_selection,
+)
 
 # CuteDSL (SM100) implementations are registered by lazy "module:attr" reference: importing this small package
 # loads neither JAX kernels nor the CuteDSL toolchain, and each one's `available()` check keeps it off every
@@ -50,11 +66,15 @@ __all__ = [
     "KNOWN_PLATFORMS",
     "REFERENCE",
     "BackendUnavailableError",
+    "OpChoice",
     "OpRegistry",
+    "OpSelection",
     "RopeParams",
     "Selected",
     "YarnParams",
+    "active_selection",
     "apply_rope",
+    "bind_selection",
     "call",
     "default_registry",
     "describe",
@@ -63,11 +83,13 @@ __all__ = [
     "normalize_platform",
     "register_impl",
     "register_op",
+    "resolve_selection",
     "rms_norm",
     "rope_cos_sin",
     "rope_frequencies",
     "select",
     "select_from",
+    "use_selection",
     "yarn_correction_range",
     "yarn_magnitude",
     "yarn_mscale",

@@ -26,6 +26,7 @@ so its definition site calls this function; importing ``deepinfer_jax.ops`` alon
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -34,7 +35,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from deepinfer_jax.numerics import qlinear
-from deepinfer_jax.ops.registry import REFERENCE, OpRegistry, default_registry, register_impl, register_op
+from deepinfer_jax.ops.registry import (
+    REFERENCE,
+    OpRegistry,
+    active_policy,
+    default_registry,
+    register_impl,
+    register_op,
+)
 
 __all__ = [
     "ExpertLayoutImpl",
@@ -142,7 +150,17 @@ def expert_layout_impl(experts: Any) -> ExpertLayoutImpl | None:
     return _EXPERT_LAYOUTS.get(type(experts))
 
 
-def _select(name: str, backend: str, platform: str | None, registry: OpRegistry) -> Callable[..., Any]:
+def _select(
+    name: str, backend: str, platform: str | None, registry: OpRegistry, interpret: bool = False
+) -> Callable[..., Any]:
+    if interpret and backend == "pallas_gpu":  # Pallas interpret mode runs the GPU kernels anywhere
+        return functools.partial(
+            registry.select(name, backend=backend, platform="gpu", strict=True).fn, interpret=True
+        )
+    if platform is None:
+        # The platform the active op selection chose for (a CPU host exporting a step for CUDA selects for
+        # "gpu"), else jax.default_backend().
+        platform = getattr(active_policy(), "platform", None)
     return registry.select(name, backend=backend, platform=platform).fn
 
 
@@ -158,11 +176,13 @@ def moe_grouped_experts(
     backend: str = REFERENCE,
     platform: str | None = None,
     registry: OpRegistry | None = None,
+    interpret: bool = False,
 ) -> jax.Array:
     """Routed-expert output ``Σ_k w[t,k] · FFN_{ids[t,k]}(x[t])`` by sorted dispatch (module docstring).
 
     ``backend`` / ``platform`` choose the implementations of the grouped ops it calls (the reference by
-    default); the registered kernel versions of this op fix them.
+    default); the registered kernel versions of this op fix them. ``interpret`` runs ``pallas_gpu`` kernels with
+    the Pallas interpreter (any platform).
     """
     reg = registry or default_registry
     if x.ndim != 2:
@@ -195,7 +215,7 @@ def moe_grouped_experts(
             raise ValueError(
                 f"moe_grouped_experts: MXFP4 experts take activation_cast 'none' or 'mxfp8', got {cast!r}"
             )
-        fused = _select("mxfp4_grouped_swiglu", backend, platform, reg)
+        fused = _select("mxfp4_grouped_swiglu", backend, platform, reg, interpret)
         a = fused(
             rows,
             gate["packed"],
@@ -209,13 +229,13 @@ def moe_grouped_experts(
         )
     else:
         g, u = (_first_gemm(rows, p, sizes, fmt, block, cast, cast_block) for p in (gate, up))
-        act = _select("swiglu", backend, platform, reg)
+        act = _select("swiglu", backend, platform, reg, interpret)
         a = act(jnp.concatenate([g, u], axis=-1), limit=swiglu_limit, out_dtype=jnp.float32)
     if weight_before_down:
         a = a * w_sorted
     a = a.astype(x.dtype)
     if fmt == "mxfp4":
-        grouped = _select("mxfp4_grouped_linear", backend, platform, reg)
+        grouped = _select("mxfp4_grouped_linear", backend, platform, reg, interpret)
         y = grouped(a, down["packed"], down["scale"], sizes, activation_cast=cast, out_dtype=jnp.float32)
     else:
         y = _first_gemm(a, down, sizes, fmt, block, cast, cast_block)
@@ -246,13 +266,22 @@ def _first_gemm(rows, p, sizes, fmt, block, cast, cast_block) -> jax.Array:
 
 
 def moe_grouped_experts_pallas(
-    x: jax.Array, routing: Any, experts: Mapping[str, Mapping[str, jax.Array]], numerics: Any, **kwargs: Any
+    x: jax.Array,
+    routing: Any,
+    experts: Mapping[str, Mapping[str, jax.Array]],
+    numerics: Any,
+    *,
+    interpret: bool = False,
+    **kwargs: Any,
 ) -> jax.Array:
-    """:func:`moe_grouped_experts` over the ``pallas_gpu`` grouped kernels (selected on the current platform)."""
+    """:func:`moe_grouped_experts` over the ``pallas_gpu`` grouped kernels (selected on the current platform, or
+    run by the Pallas interpreter with ``interpret=True``)."""
     layout_impl = expert_layout_impl(experts)
     if layout_impl is not None:
         return layout_impl(x, routing, experts, numerics, **kwargs)
-    return moe_grouped_experts(x, routing, experts, numerics, backend="pallas_gpu", **kwargs)
+    return moe_grouped_experts(
+        x, routing, experts, numerics, backend="pallas_gpu", interpret=interpret, **kwargs
+    )
 
 
 def moe_grouped_experts_ascend(

@@ -25,6 +25,7 @@ costs nothing until it is asked for, and its import error becomes the logged fal
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import importlib
 import re
@@ -59,6 +60,39 @@ _NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
 class BackendUnavailableError(RuntimeError):
     """A backend was requested with ``strict=True`` and cannot run this op here."""
+
+
+class SelectionPolicy:
+    """What an active op selection (``deepinfer_jax.ops.selection``) must provide to the registry.
+
+    While one is active (:func:`activate`), every :meth:`OpRegistry.select` call that names no backend and no
+    overrides (the way model code asks for an op) is answered by :meth:`choose`, so a whole traced step follows
+    one ``ops`` config without the model code passing it around.
+    """
+
+    registry: OpRegistry
+
+    def choose(self, name: str, platform: str | None) -> Selected:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+_ACTIVE: contextvars.ContextVar[SelectionPolicy | None] = contextvars.ContextVar(
+    "deepinfer_ops_selection", default=None
+)
+
+
+def active_policy() -> SelectionPolicy | None:
+    """The op selection in effect in this context (``None``: plain ``"auto"``)."""
+    return _ACTIVE.get()
+
+
+def activate(policy: SelectionPolicy | None) -> contextvars.Token[SelectionPolicy | None]:
+    """Make ``policy`` the active selection; undo with :func:`deactivate` (prefer ``selection.use_selection``)."""
+    return _ACTIVE.set(policy)
+
+
+def deactivate(token: contextvars.Token[SelectionPolicy | None]) -> None:
+    _ACTIVE.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,7 +336,7 @@ class OpRegistry:
         self,
         name: str,
         *,
-        backend: str = AUTO,
+        backend: str | None = None,
         overrides: Mapping[str, str] | None = None,
         platform: str | None = None,
         strict: bool = False,
@@ -314,8 +348,16 @@ class OpRegistry:
         A specific backend that cannot run here (not registered for this op, not for this platform, or its check
         fails) falls back to the reference with a logged warning, or raises :class:`BackendUnavailableError` when
         ``strict`` is set.
+
+        ``backend=None`` (the default) with no ``overrides`` means "what the active op selection says"
+        (``deepinfer_jax.ops.selection.use_selection``), and ``"auto"`` when none is active.
         """
         op = self._get_op(name)
+        if backend is None:
+            policy = _ACTIVE.get()
+            if overrides is None and policy is not None and policy.registry is self:
+                return policy.choose(name, platform)
+            backend = AUTO
         _check_backend("backend", backend, allow_auto=True)
         requested = backend
         if overrides is not None:
@@ -348,6 +390,43 @@ class OpRegistry:
             "op %r: backend %r cannot run on %s (%s); using the reference",
         )
         return Selected(name, op.reference, REFERENCE, f"fallback from {requested}: {why}", plat, requested)
+
+    def implementation(
+        self, name: str, backend: str, platform: str | None = None, *, any_platform: bool = False
+    ) -> tuple[Callable[..., Any] | None, str]:
+        """The ``backend`` implementation of op ``name`` if it can run on ``platform``: ``(fn, "")`` or
+        ``(None, why_not)``. ``any_platform`` skips the platform check (Pallas interpret mode runs anywhere)."""
+        op = self._get_op(name)
+        _check_backend("backend", backend, allow_auto=False)
+        if backend == REFERENCE:
+            return op.reference, ""
+        plat = normalize_platform(platform)
+        impl = op.impls.get(backend)
+        if impl is None:
+            return None, f"no {backend} implementation is registered for this op"
+        if not any_platform and plat not in impl.platforms:
+            return (
+                None,
+                f"the {backend} implementation is registered for {', '.join(impl.platforms)}, not {plat}",
+            )
+        fn, why = impl.probe()
+        return fn, why or ""
+
+    def has_implementation(self, name: str, backend: str) -> bool:
+        """True when op ``name`` has a registered ``backend`` implementation (on any platform)."""
+        return backend == REFERENCE or backend in self._get_op(name).impls
+
+    def reference(self, name: str) -> Callable[..., Any]:
+        """The reference implementation of op ``name``."""
+        return self._get_op(name).reference
+
+    def select_auto(self, name: str, platform: str | None = None, *, log: bool = True) -> Selected:
+        """What ``backend="auto"`` picks for op ``name`` on ``platform`` (no active selection consulted)."""
+        return self._select_auto(self._get_op(name), normalize_platform(platform), log=log)
+
+    def log_once(self, level: int, op: str, backend: str, plat: str, why: str, fmt: str) -> None:
+        """Log ``fmt % (op, backend, plat, why)`` at ``level`` once per ``(op, backend, platform, why)``."""
+        self._log_once(level, op, backend, plat, why, fmt)
 
     def _select_auto(self, op: _Op, plat: str, *, log: bool = True) -> Selected:
         candidates = sorted(
@@ -413,7 +492,7 @@ class OpRegistry:
         self,
         name: str,
         *,
-        backend: str = AUTO,
+        backend: str | None = None,
         overrides: Mapping[str, str] | None = None,
         platform: str | None = None,
         strict: bool = False,
@@ -426,7 +505,7 @@ class OpRegistry:
         name: str,
         /,
         *args: Any,
-        backend: str = AUTO,
+        backend: str | None = None,
         overrides: Mapping[str, str] | None = None,
         platform: str | None = None,
         strict: bool = False,

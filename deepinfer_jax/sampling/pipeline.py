@@ -5,10 +5,11 @@ Per row, in float32, in this order:
 1. **penalties** on the raw logits: repetition (vLLM semantics: for ids in the prompt or the output, a positive
    logit is divided by the penalty and a non-positive one multiplied by it), then frequency
    (``- f · output count``) and presence (``- p · [count > 0]``), both over the output only;
-2. **masks**: the row's ``masked_ids`` (banned ids; EOS and stop ids before ``min_tokens``) become -inf;
-3. **reported log-probabilities** are taken here: ``log_softmax`` of the penalised, masked logits, before any
-   temperature or filtering (what the user sees as ``logprobs``);
-4. **greedy** rows (temperature 0) take the exact argmax here, lowest id on ties, and use no random number;
+2. **masks**: the row's ``masked_ids`` (banned ids; EOS and stop ids before ``min_tokens``; EOS before
+   ``first_n_token_no_eos``) become -inf; with ``force_top_k = k > 0`` (an engine setting) every id outside the
+   row's top k (ties by ascending id) too;
+3. **greedy** rows (temperature 0) take the exact argmax here, lowest id on ties, and use no random number;
+4. a row with a **golden** token (teacher forcing) emits it whatever was drawn;
 5. **temperature**: ``(x - max x) / T`` (subtracting the maximum first keeps tiny temperatures finite);
 6. **min_p**: keep ids with ``p >= min_p · p_max``; since the maximum scaled logit is 0, ``p / p_max`` is
    ``exp(scaled)`` and the test is ``exp(scaled) >= min_p``;
@@ -17,6 +18,14 @@ Per row, in float32, in this order:
    ``<= top_p``; both keep a prefix of that order and the kept set is the shorter one;
 8. **log_softmax** over the kept ids, and an exact fixed-point inverse-CDF **draw** keyed by (seed, position)
    (:mod:`deepinfer_jax.sampling.rng`).
+
+**Reported log-probabilities** follow ``logprobs_mode`` (vLLM's four values): ``"raw_logprobs"`` (the default:
+``log_softmax`` of the raw logits, before any processing), ``"raw_logits"``, ``"processed_logprobs"`` (the
+distribution the token is drawn from: after penalties, masks, temperature and the filters, ``log_softmax`` over
+the kept ids, floored at -9999 as DeepInfer reports them; a greedy row's is the penalised, masked
+``log_softmax``) and ``"processed_logits"`` (those logits, -inf where filtered). Ranks and the top-n
+alternatives are taken in the same values. With ``sum_smaller`` each reported id also gets its inclusive CDF in
+the processed distribution, ids ordered by ascending probability and ties by ascending id.
 
 A row is an error row (``ok = False``, token 0) when its raw logits hold a NaN or +inf, or when no finite logit
 survives the masks: the engine ends that request with ``finish_reason="error"`` instead of emitting garbage.
@@ -46,6 +55,7 @@ from deepinfer_jax.sampling.rng import categorical_from_weights, fixed_point_wei
 from deepinfer_jax.sampling.tensors import SamplingTensors
 
 __all__ = [
+    "LOGPROBS_MODES",
     "MAX_LOGPROBS",
     "SampleOutput",
     "TokenLogprobs",
@@ -61,18 +71,26 @@ MAX_LOGPROBS = 20
 
 _NEG_INF = float("-inf")
 
+LOGPROBS_MODES: tuple[str, ...] = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+"""What reported log-probabilities are (vLLM's ``logprobs_mode``; module docstring)."""
+
+LOGPROB_FLOOR = -9999.0
+"""DeepInfer's floor of processed log-probabilities (a filtered id reports this instead of -inf)."""
+
 
 class SampleOutput(NamedTuple):
     """What :func:`sample` returns, every field with leading axis ``S``.
 
     Attributes:
-      tokens: int32 ``[S]`` the sampled (or argmax) token; 0 on error rows.
-      logprob: float32 ``[S]`` its reported log-probability (after penalties and masks, before temperature and
-        filtering).
-      rank: int32 ``[S]`` its 1-based rank in the reported distribution (ties by ascending id).
-      top_ids: int32 ``[S, n]`` the ``n`` most probable ids of the reported distribution, ties by ascending id.
-      top_logprobs: float32 ``[S, n]`` their reported log-probabilities.
+      tokens: int32 ``[S]`` the sampled (argmax, or golden) token; 0 on error rows.
+      logprob: float32 ``[S]`` its reported value (``logprobs_mode``).
+      rank: int32 ``[S]`` its 1-based rank in the reported values (ties by ascending id).
+      top_ids: int32 ``[S, n]`` the ``n`` highest-valued ids, ties by ascending id.
+      top_logprobs: float32 ``[S, n]`` their reported values.
       ok: bool ``[S]`` false when the row's logits were unusable (NaN, +inf, or nothing left after masks).
+      sum_smaller: float32 ``[S]`` the token's inclusive CDF in the processed distribution (zeros unless
+        ``sum_smaller``).
+      top_sum_smaller: float32 ``[S, n]`` the same for the top-n ids.
     """
 
     tokens: jax.Array
@@ -81,6 +99,8 @@ class SampleOutput(NamedTuple):
     top_ids: jax.Array
     top_logprobs: jax.Array
     ok: jax.Array
+    sum_smaller: jax.Array
+    top_sum_smaller: jax.Array
 
 
 class TokenLogprobs(NamedTuple):
@@ -194,6 +214,27 @@ def _top_n(logprobs: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
 # One row, end to end
 
 
+def _force_top_k(x: jax.Array, k: int) -> jax.Array:
+    """Every id outside the row's top ``k`` (ties by ascending id) becomes -inf (spec §9.8: the row samples in
+    its top-k space)."""
+    _, ids = lax.top_k(x, k)
+    keep = jnp.zeros(x.shape, jnp.bool_).at[ids].set(True)
+    return jnp.where(keep, x, _NEG_INF)
+
+
+def _inclusive_cdf(probs: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The inclusive CDF of each of ``tokens`` in one row's ``probs``, ids ordered by ascending probability and
+    ties by ascending id."""
+    ids = lax.iota(jnp.int32, probs.shape[-1])
+
+    def one(t: jax.Array) -> jax.Array:
+        p = probs[t]
+        before = (probs < p) | ((probs == p) & (ids <= t))
+        return jnp.sum(jnp.where(before, probs, 0.0))
+
+    return jax.vmap(one)(tokens)
+
+
 def _sample_row(
     logits: jax.Array,
     row: SamplingTensors,
@@ -201,25 +242,46 @@ def _sample_row(
     *,
     num_logprobs: int,
     top_k_top_p: bool | None,
+    logprobs_mode: str,
+    force_top_k: int,
+    sum_smaller: bool,
 ) -> SampleOutput:
     raw = logits.astype(jnp.float32)
     x = raw
     if counts is not None:
         x = apply_penalties(x, counts, row.repetition_penalty, row.presence_penalty, row.frequency_penalty)
     x = apply_masks(x, row.masked_ids)
+    if force_top_k:
+        x = _force_top_k(x, min(force_top_k, x.shape[-1]))
     ok = ~jnp.any(jnp.isnan(raw)) & ~jnp.any(raw == jnp.inf) & jnp.any(jnp.isfinite(x))
-
-    reported = jax.nn.log_softmax(x)
+    greedy = row.temperature <= 0
     greedy_token = jnp.argmax(x).astype(jnp.int32)
 
     final = filter_logits(x, row.temperature, row.min_p, row.top_k, row.top_p, top_k_top_p=top_k_top_p)
     weights = fixed_point_weights(jax.nn.softmax(final))
     drawn = categorical_from_weights(weights, random_bits(row.seed, row.position))
 
-    token = jnp.where(row.temperature > 0, drawn, greedy_token)
+    token = jnp.where(greedy, greedy_token, drawn)
+    token = jnp.where(row.golden >= 0, row.golden, token)
     token = jnp.where(ok, token, 0)
+    processed = jnp.where(greedy, x, final)  # the logits the token is drawn from
+    if logprobs_mode == "raw_logprobs":
+        reported = jax.nn.log_softmax(raw)
+    elif logprobs_mode == "raw_logits":
+        reported = raw
+    elif logprobs_mode == "processed_logprobs":
+        reported = jnp.maximum(jax.nn.log_softmax(processed), LOGPROB_FLOOR)
+    else:
+        reported = processed
     top_ids, top_lps = _top_n(reported, num_logprobs)
-    return SampleOutput(token, reported[token], _rank_of(reported, token), top_ids, top_lps, ok)
+    if sum_smaller:
+        cdf = _inclusive_cdf(jax.nn.softmax(processed), jnp.concatenate([token[None], top_ids]))
+        smaller, top_smaller = jnp.where(ok, cdf[0], 0.0), cdf[1:]
+    else:
+        smaller, top_smaller = jnp.zeros((), jnp.float32), jnp.zeros((num_logprobs,), jnp.float32)
+    return SampleOutput(
+        token, reported[token], _rank_of(reported, token), top_ids, top_lps, ok, smaller, top_smaller
+    )
 
 
 def _check_num_logprobs(fn: str, num_logprobs: Any) -> int:
@@ -245,10 +307,14 @@ def _sample_reference(
     *,
     num_logprobs: int,
     batch_invariant: bool,
+    logprobs_mode: str = "raw_logprobs",
+    force_top_k: int = 0,
+    sum_smaller: bool = False,
 ) -> SampleOutput:
     """The jnp reference of op ``"sample"`` (arguments already checked by :func:`sample`)."""
+    options = {"logprobs_mode": logprobs_mode, "force_top_k": force_top_k, "sum_smaller": sum_smaller}
     if batch_invariant:
-        row_fn = functools.partial(_sample_row, num_logprobs=num_logprobs, top_k_top_p=None)
+        row_fn = functools.partial(_sample_row, num_logprobs=num_logprobs, top_k_top_p=None, **options)
         if token_counts is None:
             return lax.map(lambda xs: row_fn(xs[0], xs[1], None), (logits, st))
         return lax.map(lambda xs: row_fn(*xs), (logits, st, token_counts))
@@ -257,7 +323,7 @@ def _sample_reference(
     counts_axis = None if token_counts is None else 0
 
     def batched(filtering: bool) -> SampleOutput:
-        row_fn = functools.partial(_sample_row, num_logprobs=num_logprobs, top_k_top_p=filtering)
+        row_fn = functools.partial(_sample_row, num_logprobs=num_logprobs, top_k_top_p=filtering, **options)
         return jax.vmap(row_fn, in_axes=(0, 0, counts_axis))(logits, st, token_counts)
 
     # Whether anyone filters is decided for the whole batch: vmap would turn a per-row cond into "run both".
@@ -279,7 +345,10 @@ def sample(
     *,
     num_logprobs: int = 0,
     batch_invariant: bool = False,
-    backend: str = "auto",
+    logprobs_mode: str = "raw_logprobs",
+    force_top_k: int = 0,
+    sum_smaller: bool = False,
+    backend: str | None = None,
 ) -> SampleOutput:
     """Sample one token per row. Jit-able; no host synchronisation.
 
@@ -290,7 +359,11 @@ def sample(
         slot), or ``None`` when no row uses a penalty (penalties are then skipped).
       num_logprobs: static ``n`` in ``[0, 20]``: how many top alternatives to report per row.
       batch_invariant: static; bitwise row results independent of ``S`` and of the row's place.
-      backend: which registered implementation of op ``"sample"`` to use (``"auto"``, ``"reference"``, ...).
+      logprobs_mode: static; what the reported values are (:data:`LOGPROBS_MODES`, module docstring).
+      force_top_k: static; > 0 keeps only each row's top-k ids before temperature (0 = off).
+      sum_smaller: static; also report each reported id's inclusive CDF (``SampleOutput.sum_smaller``).
+      backend: which registered implementation of op ``"sample"`` to use (``"auto"``, ``"reference"``, ...);
+        ``None`` follows the active op selection (:mod:`deepinfer_jax.ops.selection`), else ``"auto"``.
 
     Returns:
       :class:`SampleOutput`.
@@ -310,8 +383,21 @@ def sample(
         raise ValueError(f"sample: num_logprobs = {n} exceeds the vocabulary size {vocab}")
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"sample: batch_invariant must be a bool, got {type(batch_invariant).__name__}")
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"sample: logprobs_mode = {logprobs_mode!r} must be one of {LOGPROBS_MODES}")
+    if isinstance(force_top_k, bool) or not isinstance(force_top_k, numbers.Integral) or force_top_k < 0:
+        raise ValueError(f"sample: force_top_k = {force_top_k!r} must be an int >= 0")
     impl = select("sample", backend=backend)
-    return impl(logits, st, token_counts, num_logprobs=n, batch_invariant=batch_invariant)
+    return impl(
+        logits,
+        st,
+        token_counts,
+        num_logprobs=n,
+        batch_invariant=batch_invariant,
+        logprobs_mode=logprobs_mode,
+        force_top_k=int(force_top_k),
+        sum_smaller=bool(sum_smaller),
+    )
 
 
 def token_logprobs(

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from deepinfer_jax.sampling.tensors import split_seed
 
 __all__ = [
     "FIXED_POINT_BITS",
@@ -38,23 +39,6 @@ FIXED_POINT_BITS = 31
 
 SAMPLE_STREAM = 0
 """Stream id of ordinary token sampling; other uses of the same (seed, position) take other ids."""
-
-_U32 = 0xFFFFFFFF
-
-
-def split_seed(seed: int) -> tuple[int, int]:
-    """Split a seed in ``[0, 2**64)`` into its ``(lo, hi)`` uint32 words (host side).
-
-    Raises:
-      TypeError: ``seed`` is not an int (bools are refused: ``True`` is no seed anyone meant).
-      ValueError: ``seed`` is outside ``[0, 2**64)``.
-    """
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
-        raise TypeError(f"seed must be an int in [0, 2**64), got {type(seed).__name__} {seed!r}")
-    seed = int(seed)
-    if not 0 <= seed < 2**64:
-        raise ValueError(f"seed = {seed} is outside [0, 2**64)")
-    return seed & _U32, seed >> 32
 
 
 def random_bits(seed_words: jax.Array, position: jax.Array, stream: int = SAMPLE_STREAM) -> jax.Array:

@@ -18,18 +18,14 @@ varying stop lists cost at most a handful of compiled variants.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 
-from deepinfer_jax.sampling.rng import split_seed
-
-__all__ = ["ROW_FIELDS", "SamplingTensors"]
+__all__ = ["ROW_FIELDS", "SamplingTensors", "split_seed"]
 
 ROW_FIELDS: tuple[str, ...] = (
     "temperature",
@@ -43,19 +39,34 @@ ROW_FIELDS: tuple[str, ...] = (
     "stop_token_ids",
     "ignore_eos",
 )
-"""Attributes :meth:`SamplingTensors.build` reads from each request's parameters."""
+"""Attributes :meth:`SamplingTensors.build` reads from each request's parameters (``golden_token_ids`` and
+``first_n_token_no_eos`` too, when an object has them)."""
 
 _MAX_POSITION = 2**31 - 1
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+_U32 = 0xFFFFFFFF
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SamplingTensors:
+def split_seed(seed: int) -> tuple[int, int]:
+    """Split a seed in ``[0, 2**64)`` into its ``(lo, hi)`` uint32 words (host side).
+
+    Raises:
+      TypeError: ``seed`` is not an int (bools are refused: ``True`` is no seed anyone meant).
+      ValueError: ``seed`` is outside ``[0, 2**64)``.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+        raise TypeError(f"seed must be an int in [0, 2**64), got {type(seed).__name__} {seed!r}")
+    seed = int(seed)
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"seed = {seed} is outside [0, 2**64)")
+    return seed & _U32, seed >> 32
+
+
+class SamplingTensors(NamedTuple):
     """Per-row sampling parameters of one step, every field an array with leading axis ``S`` (rows).
 
-    Built on the host with numpy by :meth:`build`; move it to the device with ``jax.device_put`` (it is a
-    pytree). Padding rows are greedy with no penalty and no mask, so they cost nothing and draw nothing.
+    Built on the host with numpy by :meth:`build`; a ``NamedTuple``, so it is a pytree that the jitted step takes
+    as it is (and this module needs no JAX: the host scheduler imports it). Padding rows are greedy with no penalty and no mask, so they cost nothing and draw nothing.
 
     Attributes:
       temperature: float32 ``[S]``; 0 = greedy (exact argmax).
@@ -68,6 +79,7 @@ class SamplingTensors:
       seed: uint32 ``[S, 2]`` the ``(lo, hi)`` words of each row's 64-bit seed.
       position: int32 ``[S]`` 0-based position of the token this row samples.
       masked_ids: int32 ``[S, K]`` ids whose logit is -inf this step; -1 = unused entry.
+      golden: int32 ``[S]`` the token the row must emit (teacher forcing: ``golden_token_ids``), -1 = sample.
     """
 
     temperature: Any
@@ -80,11 +92,16 @@ class SamplingTensors:
     seed: Any
     position: Any
     masked_ids: Any
+    golden: Any
 
     @property
     def num_rows(self) -> int:
-        """``S``, the number of rows including padding."""
+        """``S``, the number of rows including padding (the leading axis)."""
         return int(self.temperature.shape[0])
+
+    def reshape_rows(self, *shape: int) -> SamplingTensors:
+        """The same tensors with the leading row axis reshaped to ``shape`` (e.g. ``(devices, rows)``)."""
+        return SamplingTensors(*(a.reshape(*shape, *a.shape[1:]) for a in self))
 
     @classmethod
     def build(
@@ -99,6 +116,7 @@ class SamplingTensors:
         banned_token_ids: Sequence[int] = (),
         num_rows: int | None = None,
         mask_width: int | None = None,
+        row_index: Sequence[int] | None = None,
     ) -> SamplingTensors:
         """Convert the parameters of the rows sampled in one step to padded numpy arrays.
 
@@ -113,6 +131,8 @@ class SamplingTensors:
           banned_token_ids: ids masked in every real row (the engine-wide blacklist).
           num_rows: pad to this many rows (the step's sequence bucket); default ``len(params_list)``.
           mask_width: ``K``, the width of ``masked_ids``; default the smallest power of two that fits.
+          row_index: the row of each entry of ``params_list`` among the ``num_rows`` (distinct, in
+            ``[0, num_rows)``); default the first ``len(params_list)`` rows. The other rows are padding.
 
         Raises:
           TypeError / ValueError: a malformed argument, or a parameter outside its range; the message names the
@@ -132,16 +152,23 @@ class SamplingTensors:
         )
         eos = _id_list("eos_token_ids", eos_token_ids, vocab)
         banned = _id_list("banned_token_ids", banned_token_ids, vocab)
+        if row_index is None:
+            where = np.arange(n)
+        else:
+            where = _int_column("row_index", row_index, n, lo=0, hi=max(rows - 1, 0))
+            if len(np.unique(where)) != n:
+                raise ValueError("SamplingTensors.build: row_index repeats a row")
 
         out = _neutral(rows, vocab)
         masks: list[list[int]] = []
-        for i, p in enumerate(params_list):
+        for j, p in enumerate(params_list):
+            i = int(where[j])
             missing = [f for f in ROW_FIELDS if not hasattr(p, f)]
             if missing:
                 raise TypeError(
                     f"SamplingTensors.build: params_list[{i}] ({type(p).__name__}) lacks attribute(s) {missing}"
                 )
-            field = f"params_list[{i}]"
+            field = f"params_list[{j}]"
             temp = _real(f"{field}.temperature", p.temperature, lo=0.0)
             if 0.0 < temp < _FLOAT32_TINY:
                 raise ValueError(
@@ -163,21 +190,27 @@ class SamplingTensors:
                 f"{field}.frequency_penalty", p.frequency_penalty, lo=-2.0, hi=2.0
             )
             try:
-                out["seed"][i] = split_seed(seeds[i])
+                out["seed"][i] = split_seed(seeds[j])
             except (TypeError, ValueError) as err:
-                raise type(err)(f"SamplingTensors.build: seeds[{i}]: {err}") from None
-            out["position"][i] = pos[i]
+                raise type(err)(f"SamplingTensors.build: seeds[{j}]: {err}") from None
+            out["position"][i] = pos[j]
             min_tokens = _integer(f"{field}.min_tokens", p.min_tokens, lo=0)
             if not isinstance(p.ignore_eos, bool | np.bool_):
                 raise TypeError(
                     f"SamplingTensors.build: {field}.ignore_eos must be a bool, got {type(p.ignore_eos).__name__}"
                 )
             row_mask = set(banned)
-            if outs[i] < min_tokens:
+            if outs[j] < min_tokens:
                 row_mask.update(_id_list(f"{field}.stop_token_ids", p.stop_token_ids or (), vocab))
                 if not p.ignore_eos:
                     row_mask.update(eos)
+            if outs[j] < getattr(p, "first_n_token_no_eos", 0):
+                row_mask.update(eos)
             masks.append(sorted(row_mask))
+            golden = getattr(p, "golden_token_ids", None)
+            if golden is not None and outs[j] < len(golden):
+                token = _id_list(f"{field}.golden_token_ids", (golden[outs[j]],), vocab)[0]
+                out["golden"][i] = token
 
         needed = max((len(m) for m in masks), default=0)
         if mask_width is None:
@@ -187,12 +220,12 @@ class SamplingTensors:
             if width < needed:
                 raise ValueError(
                     f"SamplingTensors.build: mask_width = {width} is smaller than the {needed} ids row "
-                    f"{[len(m) for m in masks].index(needed)} must mask"
+                    f"{int(where[[len(m) for m in masks].index(needed)])} must mask"
                 )
         masked = np.full((rows, width), -1, np.int32)
-        for i, m in enumerate(masks):
-            masked[i, : len(m)] = m
-        return cls(**out, masked_ids=masked)
+        for j, m in enumerate(masks):
+            masked[where[j], : len(m)] = m
+        return cls(masked_ids=masked, **out)
 
 
 def _neutral(rows: int, vocab: int) -> dict[str, np.ndarray]:
@@ -207,6 +240,7 @@ def _neutral(rows: int, vocab: int) -> dict[str, np.ndarray]:
         "frequency_penalty": np.zeros(rows, np.float32),
         "seed": np.zeros((rows, 2), np.uint32),
         "position": np.zeros(rows, np.int32),
+        "golden": np.full(rows, -1, np.int32),
     }
 
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from _bench_settings import ENGINE_FIELDS
 
 from deepinfer_jax.bench import EngineBench, Workload, run_benchmark
-from deepinfer_jax.bench.online import check_online_runner, run_online
+from deepinfer_jax.bench.online import run_online
 from deepinfer_jax.engine.params import SamplingParams
 
 FAKE = Path(__file__).with_name("fake_baseline.py")
@@ -145,19 +144,3 @@ def test_baseline_and_online_workloads_do_not_mix():
     w = Workload(num_requests=2, request_rate=5.0)
     with pytest.raises(ValueError, match=r"baseline_python: .*online workload \(request_rate = 5.0"):
         run_benchmark(w, baseline_python=sys.executable, baseline_script=FAKE)
-
-
-def test_a_runner_without_poll_is_refused():
-    from deepinfer_jax.parallel import make_mesh
-
-    class MeshLikeRunner:
-        def run(self, on_finished=None):
-            return [], None
-
-    llm = SimpleNamespace(runner=MeshLikeRunner(), mesh=make_mesh(2, 1))
-    with pytest.raises(
-        ValueError, match=r"request_rate: the engine runner on a mesh of 2 devices .*MeshLikeRunner"
-    ):
-        check_online_runner(llm)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="on one device"):
-        check_online_runner(SimpleNamespace(runner=SimpleNamespace(), mesh=None))  # type: ignore[arg-type]

@@ -94,7 +94,7 @@ def test_unsupported_model_is_named(monkeypatch):
 def test_tiny_v4_is_served():
     """DeepSeek-V4 builds a benchmark engine (construction only: no step is compiled)."""
     from deepinfer_jax.bench.runner import EngineBench
-    from deepinfer_jax.engine.paged_v4 import V4PagedModel
+    from deepinfer_jax.models.deepseek_v4.paged import V4PagedModel
 
     w = Workload(
         model="tiny-v4",
@@ -127,7 +127,8 @@ def test_step_timer_says_when_the_runner_has_no_hooks():
 
 
 def test_mesh_run_reports_the_expert_load():
-    """On a mesh with EPLB the run reports ``moe_lb`` and the re-placements, as the engine's own stats say."""
+    """On a mesh with EPLB the run reports ``moe_lb`` and the re-placements, as the engine's own stats say. The
+    workload is online (a request rate): the engine runs one loop on every mesh, so requests join it there too."""
     from deepinfer_jax.bench.runner import EngineBench
 
     w = Workload(
@@ -137,6 +138,7 @@ def test_mesh_run_reports_the_expert_load():
         prompt_len=6,
         output_len=6,
         repeats=1,
+        request_rate=500.0,
         max_num_seqs=16,
         max_num_batched_tokens=128,
         kv_cache_memory="8MiB",
@@ -156,4 +158,5 @@ def test_mesh_run_reports_the_expert_load():
         "eplb_rearrangements": stats.eplb_rearrangements,
     }
     assert run["moe"]["moe_lb"] >= 1.0 and run["moe"]["eplb_rearrangements"] >= 1
+    assert run["online"]["request_rate"] == 500.0 and run["online"]["request_throughput"] > 0
     assert run["step_timing"].get("available", True) is not False

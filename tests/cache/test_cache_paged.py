@@ -61,8 +61,9 @@ def test_latent_cache_dtype():
     assert paged.latent_cache_dtype("bfloat16") == "bfloat16"
     assert paged.latent_cache_dtype("bfloat16", "float32") == "float32"
     assert paged.latent_cache_dtype("float32", "bfloat16") == "bfloat16"
+    assert paged.latent_cache_dtype("float32", "quantized") == "fp8"  # the FP8 latent record
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        paged.latent_cache_dtype("float32", "quantized")
+        paged.latent_cache_dtype("float32", "float8_e4m3fn")
     with pytest.raises(ValueError, match="dtype"):
         paged.latent_cache_dtype("float16")
 

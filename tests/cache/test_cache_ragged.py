@@ -89,6 +89,12 @@ def test_compressed_entries_land_in_their_pages_and_read_back(ratio):
     pages = jnp.zeros((num_blocks, block // ratio, 3), jnp.float32)
     entries = jnp.asarray(np.stack([pos + 1, seq, pos * 2], axis=1).astype(np.float32))
     pages = ragged.write_entries(pages, entries, jnp.asarray(blocks), jnp.asarray(offsets))
+    # The flat rows the store ops write name the same places (-1 where nothing is written).
+    rows = np.asarray(ragged.page_rows(jnp.asarray(blocks), jnp.asarray(offsets), block // ratio, num_blocks))
+    np.testing.assert_array_equal(rows, np.where(emits, blocks * (block // ratio) + offsets, -1))
+    flat = jnp.zeros((num_blocks * (block // ratio), 3), jnp.float32).at[jnp.where(rows >= 0, rows, 10**6)]
+    flat = flat.set(entries, mode="drop")
+    np.testing.assert_array_equal(np.asarray(flat).reshape(pages.shape), np.asarray(pages))
     # Row 0 reads its entries 0..; row 1 reads the entry its token emitted (if any) and an absent one.
     last0 = 13 // ratio - 1
     idx = np.full((meta.num_tokens, 2), -1, np.int32)

@@ -176,6 +176,23 @@ def test_unindexed_files_holding_the_same_tensor_are_ambiguous(tmp_path):
         open_checkpoint(tmp_path)
 
 
+def test_model_safetensors_is_read_alone_without_an_index(tmp_path, caplog):
+    """As transformers: with ``model.safetensors`` and no index, other ``*.safetensors`` files beside it are not
+    part of the checkpoint (a leftover ``consolidated.safetensors``, an adapter); the reader says which it
+    ignored, and their tensors are not found."""
+    write_arrays(tmp_path / "model.safetensors", {"w": np.ones(3, np.float32)})
+    write_arrays(
+        tmp_path / "adapter.safetensors", {"w": np.zeros(3, np.float32), "extra": np.ones(2, np.int8)}
+    )
+    with caplog.at_level("WARNING"), open_checkpoint(tmp_path) as reader:
+        assert reader.names() == ["w"] and reader.info("w").file == "model.safetensors"
+        np.testing.assert_array_equal(reader.read("w"), np.ones(3, np.float32))
+    assert "ignoring adapter.safetensors" in caplog.text
+    (tmp_path / "model.safetensors").unlink()
+    with open_checkpoint(tmp_path) as reader:  # without model.safetensors the other file is the checkpoint
+        assert reader.names() == ["extra", "w"]
+
+
 def test_empty_folder_and_missing_path(tmp_path):
     with pytest.raises(CheckpointError, match=r"no model\.safetensors"):
         open_checkpoint(tmp_path)

@@ -191,6 +191,55 @@ def test_wrapper_exports_for_cuda_as_cutlass_call(case):
     assert len(exp.serialize()) > 0
 
 
+@pytest.mark.parametrize(
+    ("case", "x_dtype", "kernel"),
+    [
+        ("fp8_block_linear/ue8m0/mxfp8", jnp.bfloat16, "_fp8_tc_kernel"),
+        ("fp8_block_linear/ue8m0/mxfp8", jnp.float32, "_fp8_block_gemm_kernel"),
+        ("fp8_block_linear/scale_inv/fp8_token_128", jnp.bfloat16, "_fp8_block_gemm_kernel"),
+        ("mxfp4_grouped_linear", jnp.bfloat16, "_mxfp4_tc_kernel"),
+        ("mxfp4_grouped_swiglu", jnp.bfloat16, "_mxfp4_swiglu_tc_kernel"),
+        ("mxfp4_grouped_swiglu", jnp.float32, "_mxfp4_grouped_swiglu_kernel"),
+    ],
+)
+def test_bf16_products_export_the_tcgen05_kernels(case, x_dtype, kernel):
+    """bf16 activations with power-of-two scales take the tcgen05 kernels (compiled for sm_100a, not run on
+    hardware); float32 activations and V3 scale_inv blocks keep the SIMT kernels. The exported custom call embeds
+    the compiled module, which names its kernel."""
+    import cutlass.jax
+
+    fn, specs = _export_cases()[case]
+    specs = (S(specs[0].shape, x_dtype), *specs[1:])
+    text = jax.export.export(
+        jax.jit(fn), platforms=["cuda"], disabled_checks=cutlass.jax.get_export_disabled_safety_checks()
+    )(*specs).mlir_module()
+    counterpart = {
+        "_fp8_tc_kernel": "_fp8_block_gemm_kernel",
+        "_mxfp4_tc_kernel": "_mxfp4_grouped_gemm_kernel",
+        "_mxfp4_swiglu_tc_kernel": "_mxfp4_grouped_swiglu_kernel",
+    }
+    counterpart.update({v: k for k, v in counterpart.items()})
+    assert kernel in text and counterpart[kernel] not in text
+
+
+def test_work_slots_partition_the_grouped_rows():
+    from custom_calls.cutedsl._common import work_slots
+
+    rng = np.random.default_rng(7)
+    for sizes, rows, tile in (([5, 0, 70, 1, 60], 140, 64), ([0, 0, 3], 3, 16), ([16, 16], 40, 16)):
+        slots = np.asarray(work_slots(jnp.asarray(sizes, jnp.int32), rows, tile))
+        assert slots.shape == (-(-rows // tile) + len(sizes) - 1, 4)
+        owner = np.full(rows, -1)
+        for e, row0, lo, hi in slots:
+            assert row0 % tile == 0 and (lo >= hi or (row0 <= lo < hi <= row0 + tile))
+            for r in range(lo, hi):
+                assert owner[r] == -1  # each live row belongs to one slot
+                owner[r] = e
+        want = np.concatenate([np.full(n, e) for e, n in enumerate(sizes)] + [np.full(rows - sum(sizes), -1)])
+        np.testing.assert_array_equal(owner, want)  # ... and to the slot of its own expert
+    del rng
+
+
 # ------------------------------------------------------------------------------------------------ CPU paths
 
 
@@ -241,8 +290,8 @@ def test_swiglu_cpu_path_matches_numpy(rng, limit):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
 
 
-def test_wrappers_are_drop_ins_for_the_op_references(rng):
-    """Same signature and same CPU numbers as the ops' reference implementations, in both precision modes."""
+def test_wrapper_cpu_paths_equal_the_op_references(rng):
+    """Same signature, and on the CPU (where no kernel runs) the same numbers as the ops' reference implementations."""
     from custom_calls.cutedsl import gemm, grouped_gemm, swiglu
 
     x, codes, scale = _fp8_inputs(rng)

@@ -24,8 +24,9 @@ import pytest
 from deepinfer_jax.config.tree import ParallelConfig
 from deepinfer_jax.engine.llm import LLM
 from deepinfer_jax.engine.mesh_eplb import MeshExpertBalancer, describe_placement
-from deepinfer_jax.engine.multi_device import MeshRunner, MeshStepExecutor
 from deepinfer_jax.engine.params import SamplingParams
+from deepinfer_jax.engine.runner import EngineRunner
+from deepinfer_jax.engine.step import StepExecutor
 from deepinfer_jax.parallel import eplb
 
 COMMON = {"dtype": "float32", "kv_cache_memory": "8MiB", "cache.block_size": 16}
@@ -34,7 +35,7 @@ EPLB = {
     "parallel.eplb_window_steps": 4,
     "parallel.eplb_num_redundant_experts": 4,
 }
-LOGPROB_TOL = {"rtol": 0.0, "atol": 1e-4}  # tests/engine/test_engine_mesh.py says why
+LOGPROB_TOL = {"rtol": 0.0, "atol": 1e-4}  # tests/engine/test_engine_families.py says why
 TOP_K = 2  # tiny-v3's num_experts_per_tok
 
 
@@ -84,7 +85,7 @@ def _requests(n: int, seed: int):
 def test_eplb_rebalances_the_serving_engine_and_keeps_its_tokens():
     llm = _llm(True)
     balancer = llm.expert_balancer
-    assert isinstance(balancer, MeshExpertBalancer) and isinstance(llm.runner, MeshRunner)
+    assert isinstance(balancer, MeshExpertBalancer) and llm.runner.balancer is balancer
     start = {path: p.slot_to_expert.tolist() for path, p in balancer.placements().items()}
     assert start["layers.1.mlp.experts"] == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]
 
@@ -93,10 +94,10 @@ def test_eplb_rebalances_the_serving_engine_and_keeps_its_tokens():
     process = llm.runner._process
 
     def recording(plan, step):
-        counts = {path: c.sum() for path, c in balancer.split(step.expert_counts).items()}
+        counts = {path: c.sum() for path, c in balancer.split(jax.device_get(step.out.expert_counts)).items()}
         initial = np.asarray(step.snapshot[0][0].slot_to_expert).tolist() == start["layers.1.mlp.experts"]
-        tokens = sum(p.num_tokens for p in plan.plans if p is not None)
-        seen.append((tokens, counts, step.prefill, initial))
+        tokens = sum(b.num_tokens for b in plan.batches if b is not None)
+        seen.append((tokens, counts, plan.is_prefill, initial))
         return process(plan, step)
 
     llm.runner._process = recording
@@ -178,7 +179,7 @@ def test_no_balancer_without_an_expert_parallel_group():
         **{"parallel.eplb_interval_steps": 4, "parallel.eplb_window_steps": 4},
         **COMMON,
     )
-    assert llm.expert_balancer is None and llm.executor.expert_counts is None
+    assert llm.expert_balancer is None and not llm.executor.returns_expert_counts
 
 
 def test_balancer_refuses_what_it_cannot_use():
@@ -196,12 +197,12 @@ def test_balancer_refuses_what_it_cannot_use():
         MeshExpertBalancer(ParallelConfig(expert_parallel_size=2), llm.executor.params, llm.mesh)
     with pytest.raises(ValueError, match="no slot-layout MoE layer"):
         MeshExpertBalancer(cfg, {"w": np.zeros(2)}, llm.mesh)
-    bare = MeshStepExecutor(
+    bare = StepExecutor(
         llm.executor.params, llm.paged_model, llm.mesh, num_blocks=2, num_slots=1, max_blocks_per_seq=1
     )
     assert not bare.returns_expert_counts and llm.executor.returns_expert_counts
     with pytest.raises(ValueError, match="a balancer needs an executor built with expert_counts=True"):
-        MeshRunner(llm.scheduler, bare, vocab_size=512, balancer=balancer)
+        EngineRunner(llm.scheduler, bare, balancer=balancer)
     with pytest.raises(
         ValueError, match=r"eplb_window_steps = 8 must be <= parallel\.eplb_interval_steps = 4"
     ):
@@ -237,11 +238,11 @@ def test_placement_detail_is_logged_on_request(caplog):
     [
         (
             {"parallel.moe_force_imbalance_ratio": 1.8},
-            r"moe_force_imbalance_ratio = 1\.8: synthetic MoE routing",
+            r"moe_force_imbalance_ratio = 1\.8 \(set by override .*\): synthetic MoE routing",
         ),
         ({"parallel.moe_force_uniform_routing": True}, "moe_force_uniform_routing = True"),
-        ({"parallel.engram_on_device": False}, "engram_on_device = False: Engram tables in host memory"),
-        ({"parallel.context_parallel_size": 2}, "context_parallel_size = 2: context-parallel prefill"),
+        ({"parallel.engram_on_device": False}, r"engram_on_device = False .*: Engram tables in host memory"),
+        ({"parallel.context_parallel_size": 2}, r"context_parallel_size = 2 .*: context-parallel prefill"),
     ],
 )
 def test_parallel_settings_the_engine_would_ignore_are_refused(override, match):

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from one_device import OneDevice, Step  # tests/engine/one_device.py
 
 from deepinfer_jax.engine.params import SamplingParams
-from deepinfer_jax.engine.plan import PENDING_TOKEN, StepPlan
-from deepinfer_jax.engine.scheduler import RequestStatus, Scheduler
+from deepinfer_jax.engine.plan import PENDING_TOKEN
+from deepinfer_jax.engine.scheduler import RequestStatus
 from deepinfer_jax.text import Tokenizer, build_synthetic_tokenizer
 
 EOS = 1
 
 
-def make(**overrides) -> Scheduler:
+def make(**overrides) -> OneDevice:
     kwargs = {
         "num_blocks": 64,
         "block_size": 4,
@@ -24,10 +25,10 @@ def make(**overrides) -> Scheduler:
         "eos_token_ids": (EOS,),
     }
     kwargs.update(overrides)
-    return Scheduler(**kwargs)
+    return OneDevice(**kwargs)
 
 
-def step(sched: Scheduler, tokens: dict[str, int] | int = 7, **kw) -> tuple[StepPlan, list]:
+def step(sched: OneDevice, tokens: dict[str, int] | int = 7, **kw) -> tuple[Step, list]:
     """Schedule one step and feed back ``tokens`` (per request id, or one id for every row)."""
     plan = sched.schedule()
     assert plan is not None
@@ -38,7 +39,7 @@ def step(sched: Scheduler, tokens: dict[str, int] | int = 7, **kw) -> tuple[Step
     return plan, sched.process_outputs(plan, out, **kw)
 
 
-def rows(plan: StepPlan) -> list[tuple[str, list[int], list[int], bool]]:
+def rows(plan: Step) -> list[tuple[str, list[int], list[int], bool]]:
     """(request, token ids, positions, sample) of each real row."""
     out = []
     for i, rid in enumerate(plan.request_ids):

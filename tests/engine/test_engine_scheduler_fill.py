@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from one_device import OneDevice, Step  # tests/engine/one_device.py
 
 from deepinfer_jax.engine.llm import LLM
 from deepinfer_jax.engine.params import SamplingParams
-from deepinfer_jax.engine.plan import StepPlan
-from deepinfer_jax.engine.scheduler import Scheduler
 
 PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)
 
 
-def make(**overrides) -> Scheduler:
+def make(**overrides) -> OneDevice:
     kwargs = {
         "num_blocks": 64,
         "block_size": 4,
@@ -28,10 +27,10 @@ def make(**overrides) -> Scheduler:
         "buckets": [(4, 4), (16, 4)],
     }
     kwargs.update(overrides)
-    return Scheduler(**kwargs)
+    return OneDevice(**kwargs)
 
 
-def step(sched: Scheduler, token: int = 7) -> StepPlan:
+def step(sched: OneDevice, token: int = 7) -> Step:
     plan = sched.schedule()
     assert plan is not None
     plan.validate(block_size=sched.block_size)
@@ -39,7 +38,7 @@ def step(sched: Scheduler, token: int = 7) -> StepPlan:
     return plan
 
 
-def rows(plan: StepPlan) -> list[tuple[str, list[int], bool]]:
+def rows(plan: Step) -> list[tuple[str, list[int], bool]]:
     """(request, positions, sample) of each real row."""
     return [
         (rid, plan.positions[plan.query_start[i] : plan.query_start[i + 1]].tolist(), bool(plan.sample[i]))
@@ -129,7 +128,8 @@ def test_greedy_tokens_are_unchanged_when_steps_are_cut_to_fill_their_bucket() -
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     tokens = {}
     for fill in (0.0, 0.5):
-        llm.scheduler.min_bucket_fill = fill
+        for device in llm.scheduler.devices:
+            device.min_bucket_fill = fill
         steps = llm.scheduler.stats.num_steps
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         tokens[fill] = [o.outputs[0].token_ids for o in outs]

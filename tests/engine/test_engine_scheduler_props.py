@@ -17,11 +17,11 @@ import dataclasses
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from one_device import OneDevice, Step  # tests/engine/one_device.py
 
 from deepinfer_jax.cache.blocks import blocks_for_tokens
 from deepinfer_jax.engine.params import RequestOutput, SamplingParams
-from deepinfer_jax.engine.plan import PENDING_TOKEN, StepPlan
-from deepinfer_jax.engine.scheduler import Scheduler
+from deepinfer_jax.engine.plan import PENDING_TOKEN
 
 VOCAB = 12
 EOS = 1
@@ -41,7 +41,7 @@ class FakeDevice:
         self.cache = np.full((num_blocks, block_size), -1, np.int64)
         self.last = np.full(num_slots, -1, np.int64)
 
-    def run(self, plan: StepPlan, seeds: list[int]) -> np.ndarray:
+    def run(self, plan: Step, seeds: list[int]) -> np.ndarray:
         n, bs = plan.num_tokens, self.block_size
         seq = plan.token_seq[:n]
         ids = plan.token_ids[:n].astype(np.int64)
@@ -136,7 +136,7 @@ def scenarios(draw: st.DrawFn) -> dict:
     return {"config": config, "specs": specs, "depth": draw(st.sampled_from([0, 1, 2]))}
 
 
-def check_invariants(sched: Scheduler, plan: StepPlan, num_decodes: int) -> None:
+def check_invariants(sched: OneDevice, plan: Step, num_decodes: int) -> None:
     plan.validate(block_size=sched.block_size)
     assert plan.num_tokens <= sched.max_num_batched_tokens and plan.num_seqs <= sched.max_num_seqs
     assert plan.bucket in sched.buckets
@@ -155,7 +155,7 @@ def check_invariants(sched: Scheduler, plan: StepPlan, num_decodes: int) -> None
     assert all(not r.block_ids and r.slot == -1 for r in sched._waiting)
     sched.blocks.check_consistency()
     sched.slots.check_consistency()
-    for i, req in enumerate(sched.rows(plan)):
+    for i, req in enumerate(plan.requests):
         table = plan.block_tables[i]
         assert (
             table[: len(req.block_ids)].tolist() == req.block_ids
@@ -163,12 +163,12 @@ def check_invariants(sched: Scheduler, plan: StepPlan, num_decodes: int) -> None
         )
 
 
-def drive(config: dict, specs: list[Spec], depth: int) -> tuple[Scheduler, dict[str, RequestOutput]]:
+def drive(config: dict, specs: list[Spec], depth: int) -> tuple[OneDevice, dict[str, RequestOutput]]:
     """Run every request to the end with up to ``depth`` steps in flight beyond the one being processed."""
-    sched = Scheduler(**config)
+    sched = OneDevice(**config)
     device = FakeDevice(config["num_blocks"], config["block_size"], sched.slots.size)
     arrivals = sorted(range(len(specs)), key=lambda i: specs[i].arrival)
-    in_flight: collections.deque[tuple[StepPlan, np.ndarray]] = collections.deque()
+    in_flight: collections.deque[tuple[Step, np.ndarray]] = collections.deque()
     results: dict[str, RequestOutput] = {}
 
     def collect(outputs: list[RequestOutput]) -> None:
@@ -186,7 +186,7 @@ def drive(config: dict, specs: list[Spec], depth: int) -> tuple[Scheduler, dict[
         plan = sched.schedule()
         if plan is not None:
             check_invariants(sched, plan, sched.stats.num_decode_tokens - decodes)
-            in_flight.append((plan, device.run(plan, [r.seed for r in sched.rows(plan)])))
+            in_flight.append((plan, device.run(plan, [r.seed for r in plan.requests])))
         if in_flight and (len(in_flight) > depth or plan is None):
             done, tokens = in_flight.popleft()
             collect(sched.process_outputs(done, tokens))

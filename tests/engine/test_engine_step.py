@@ -11,13 +11,17 @@ import pytest
 
 import deepinfer_jax
 from deepinfer_jax.engine.buckets import step_buckets
-from deepinfer_jax.engine.paged_v3 import V3PagedModel
-from deepinfer_jax.engine.plan import StepPlan, choose_bucket
-from deepinfer_jax.engine.step import StepExecutor, StepInputs
+from deepinfer_jax.engine.params import SamplingParams
+from deepinfer_jax.engine.plan import DeviceBatch, ScheduledRow, StepPlan, build_plan, choose_bucket
+from deepinfer_jax.engine.step import StepExecutor
 from deepinfer_jax.models.deepseek_v3 import model as v3_model
+from deepinfer_jax.models.deepseek_v3.paged import V3PagedModel
+from deepinfer_jax.parallel import make_mesh
 
 BLOCK = 8
 MAX_LEN = 48
+GREEDY = SamplingParams(temperature=0.0)
+ONE_DEVICE = make_mesh(1, 1)
 REF_LEN = 48  # reference forwards run on right-padded [B, 48] batches: causal, so padding never changes a row
 
 
@@ -46,56 +50,72 @@ def _reference_greedy(
 
 @dataclass
 class _Seq:
-    """Minimal host bookkeeping for the test driver (the real scheduler lives in engine/scheduler.py)."""
+    """Minimal host bookkeeping for the test driver (the real scheduler lives in engine/scheduler.py); it has
+    what :func:`~deepinfer_jax.engine.plan.build_plan` reads from a scheduled request."""
 
     slot: int
-    blocks: list[int]
+    block_ids: list[int]
     tokens: list[int]
     prompt_len: int = 0
     cached: int = 0  # tokens whose latents are in the cache
     pending: bool = False  # the last token was sampled on device and not yet given explicitly
     out: list[int] = field(default_factory=list)
+    params: SamplingParams = GREEDY
+    seed: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return f"r{self.slot}"
+
+    @property
+    def prompt_token_ids(self) -> np.ndarray:
+        return np.asarray(self.tokens[: self.prompt_len], np.int32)
+
+    def tokens_of(self, start: int, stop: int) -> np.ndarray:
+        return np.asarray(self.tokens[start:stop], np.int32)
 
 
-def _plan(rows: list[tuple[_Seq, int]], bucket: tuple[int, int]) -> StepPlan:
-    """A padded plan with ``n`` new tokens of each ``(seq, n)``; decode rows use the pending ``-1`` id."""
-    t_pad, s_pad = bucket
-    ids, pos, owner, starts, slots, ctx, sample = [], [], [], [0], [], [], []
-    tables = np.full((s_pad, MAX_LEN // BLOCK), -1, np.int32)
-    for r, (seq, n) in enumerate(rows):
-        for k in range(n):
-            p = seq.cached + k
-            ids.append(-1 if (seq.pending and p == len(seq.tokens) - 1) else seq.tokens[p])
-            pos.append(p)
-            owner.append(r)
-        starts.append(len(ids))
-        slots.append(seq.slot)
-        ctx.append(seq.cached + n)
-        sample.append(seq.cached + n == len(seq.tokens))
-        tables[r, : len(seq.blocks)] = seq.blocks
-    n_tok, n_seq = len(ids), len(rows)
-    pad_t, pad_s = t_pad - n_tok, s_pad - n_seq
-    return StepPlan(
-        token_ids=np.array(ids + [0] * pad_t, np.int32),
-        positions=np.array(pos + [0] * pad_t, np.int32),
-        token_seq=np.array(owner + [s_pad] * pad_t, np.int32),
-        seq_slots=np.array(slots + [-1] * pad_s, np.int32),
-        query_start=np.array(starts + [n_tok] * pad_s, np.int32),
-        context_lens=np.array(ctx + [0] * pad_s, np.int32),
-        block_tables=tables,
-        sample=np.array(sample + [False] * pad_s, bool),
-        num_tokens=n_tok,
-        num_seqs=n_seq,
-        request_ids=tuple(f"r{s.slot}" for s, _ in rows),
+class _Request:
+    """A :class:`_Seq` seen as a scheduled request (``tokens`` is a method there)."""
+
+    def __init__(self, seq: _Seq) -> None:
+        self.seq = seq
+        self.request_id, self.slot, self.block_ids = seq.request_id, seq.slot, seq.block_ids
+        self.prompt_token_ids, self.params, self.seed, self.prompt_len = (
+            seq.prompt_token_ids,
+            seq.params,
+            seq.seed,
+            seq.prompt_len,
+        )
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        return self.seq.tokens_of(start, stop)
+
+
+def _plan(rows: list[tuple[_Seq, int]], bucket: tuple[int, int], vocab: int = 512) -> StepPlan:
+    """A one-device plan with ``n`` new tokens of each ``(seq, n)``; decode rows use the pending ``-1`` id."""
+    batch = DeviceBatch(
+        tuple(
+            ScheduledRow(
+                _Request(seq),
+                seq.cached,
+                n,
+                seq.cached + n == len(seq.tokens),
+                seq.pending and seq.cached == len(seq.tokens) - 1,
+                False,
+            )
+            for seq, n in rows
+        )
     )
+    return build_plan([batch], buckets=[bucket], max_blocks_per_seq=MAX_LEN // BLOCK, vocab_size=vocab)
 
 
 def _commit(rows: list[tuple[_Seq, int]], tokens: np.ndarray, plan: StepPlan) -> None:
     for r, (seq, n) in enumerate(rows):
         seq.cached += n
-        if plan.sample[r]:
-            seq.tokens.append(int(tokens[r]))
-            seq.out.append(int(tokens[r]))
+        if plan.inputs.sample[0, r]:
+            seq.tokens.append(int(tokens[0, r]))
+            seq.out.append(int(tokens[0, r]))
             seq.pending = True
 
 
@@ -106,6 +126,7 @@ def executor(model):
     return StepExecutor(
         model.params,
         paged,
+        ONE_DEVICE,
         num_blocks=num_blocks,
         num_slots=9,
         max_blocks_per_seq=MAX_LEN // BLOCK,
@@ -134,7 +155,10 @@ def test_greedy_mixed_chunks_and_decode_equals_full_forward(model, executor):
     free = iter(range(1, 40))
     seqs = [
         _Seq(
-            slot=slot, blocks=[next(free) for _ in range(MAX_LEN // BLOCK)], tokens=list(p), prompt_len=len(p)
+            slot=slot,
+            block_ids=[next(free) for _ in range(MAX_LEN // BLOCK)],
+            tokens=list(p),
+            prompt_len=len(p),
         )
         for slot, p in zip((3, 1, 7), PROMPTS)
     ]
@@ -153,13 +177,11 @@ def test_greedy_mixed_chunks_and_decode_equals_full_forward(model, executor):
             rows.append((s, n))
         plan = _plan(rows, choose_bucket(sum(n for _, n in rows), len(rows), buckets))
         plan.validate(block_size=BLOCK)
-        prompt_lens = np.zeros(plan.padded_seqs, np.int32)
-        prompt_lens[: len(rows)] = [s.prompt_len for s, _ in rows]
-        out = executor.run(plan, prompt_lens=prompt_lens)
+        out = executor.run(plan)
         tokens = np.asarray(out.tokens)
-        logits = np.asarray(out.logits)
+        logits = np.asarray(out.logits)[0]
         for r, (s, _) in enumerate(rows):
-            if plan.sample[r]:
+            if plan.inputs.sample[0, r]:
                 got_logits[seqs.index(s)].append(logits[r])
         _commit(rows, tokens, plan)
         steps += 1
@@ -169,7 +191,7 @@ def test_greedy_mixed_chunks_and_decode_equals_full_forward(model, executor):
     assert executor.compile_count == len(executor.compiled_buckets) <= 2
     # Penalty statistics on device: prompt ids flagged (bit 30), every generated token fed back so far counted
     # (the last sampled token has not been an input yet).
-    counts = np.asarray(executor.state.token_counts)
+    counts = np.asarray(executor.state.token_counts)[0]
     for s in seqs:
         want_counts = np.zeros(model.config.vocab_size, np.int64)
         want_counts[list(set(s.tokens[: s.prompt_len]))] |= 1 << 30
@@ -179,7 +201,7 @@ def test_greedy_mixed_chunks_and_decode_equals_full_forward(model, executor):
 
 def test_steady_state_never_recompiles(executor):
     before = executor.compile_count
-    seq = _Seq(slot=5, blocks=list(range(34, 40)), tokens=[1, 2, 3])
+    seq = _Seq(slot=5, block_ids=list(range(34, 40)), tokens=[1, 2, 3])
     bucket = (16, 8)
     for _ in range(6):
         n = len(seq.tokens) - seq.cached
@@ -203,18 +225,19 @@ def test_paged_step_equals_contiguous_forward(model):
     ex = StepExecutor(
         model.params,
         paged,
+        ONE_DEVICE,
         num_blocks=num_blocks,
         num_slots=2,
         max_blocks_per_seq=MAX_LEN // BLOCK,
         return_logits=True,
     )
-    seq = _Seq(slot=1, blocks=[7, 3, 5, 1, 2, 4], tokens=list(prompt))
+    seq = _Seq(slot=1, block_ids=[7, 3, 5, 1, 2, 4], tokens=list(prompt))
     got = []
     for k in range(4):
         n = len(seq.tokens) - seq.cached
         plan = _plan([(seq, n)], (16, 8))
         out = ex.run(plan)
-        got.append(np.asarray(out.logits[0]))
+        got.append(np.asarray(out.logits[0, 0]))
         _commit([(seq, n)], np.asarray(out.tokens), plan)
         if k:
             pos = len(seq.tokens) - 2
@@ -224,19 +247,6 @@ def test_paged_step_equals_contiguous_forward(model):
     # Both paths are absorbed MLA in float32; only the softmax order differs (blockwise online vs one pass).
     np.testing.assert_allclose(np.stack(got), np.stack(ref), atol=5e-5)
     assert seq.out[:3] == [int(np.argmax(r)) for r in ref[:3]]
-
-
-def test_inputs_pad_block_tables_to_the_fixed_width():
-    seq = _Seq(slot=1, blocks=[2], tokens=[4, 5])
-    plan = _plan([(seq, 2)], (16, 8))
-    narrow = StepPlan(**{**plan.__dict__, "block_tables": plan.block_tables[:, :2].copy()})
-    inputs = StepInputs.from_plan(narrow, 6)
-    assert inputs.block_tables.shape == (8, 6)
-    assert inputs.block_tables[0].tolist() == [2, -1, -1, -1, -1, -1]
-    wide = _plan([(_Seq(slot=1, blocks=[2, 3, 4], tokens=list(range(20))), 20)], (64, 8))
-    assert StepInputs.from_plan(wide, 3).block_tables.shape == (8, 3)  # trailing -1 columns are dropped
-    with pytest.raises(ValueError, match="max_blocks_per_seq"):
-        StepInputs.from_plan(wide, 2)
 
 
 def test_step_buckets():
@@ -254,15 +264,13 @@ def test_batch_invariant_logits_are_bitwise_independent_of_the_batch(model):
     Alone it runs in bucket 16; in the batch (bucket 64) it is row 1, its tokens at other offsets, while the
     other rows prefill.
     """
-    from deepinfer_jax.engine.params import SamplingParams
-    from deepinfer_jax.sampling import SamplingTensors
-
     cfg = model.config
     num_blocks = 40
     paged = V3PagedModel(cfg, BLOCK, "float32")
     ex = StepExecutor(
         model.params,
         paged,
+        ONE_DEVICE,
         num_blocks=num_blocks,
         num_slots=9,
         max_blocks_per_seq=MAX_LEN // BLOCK,
@@ -275,22 +283,20 @@ def test_batch_invariant_logits_are_bitwise_independent_of_the_batch(model):
         seen = []
         for _ in range(steps):
             rows = [(s, len(s.tokens) - s.cached) for s in seqs]
-            plan = _plan(rows, bucket)
-            positions = plan.context_lens[: len(rows)]
-            st = SamplingTensors.build(
-                [params] * len(rows), [5] * len(rows), positions, cfg.vocab_size, num_rows=bucket[1]
-            )
-            out = ex.run(plan, st)
-            seen.append(np.asarray(out.logits[seqs.index(target)]))
+            plan = _plan(rows, bucket, cfg.vocab_size)
+            out = ex.run(plan)
+            seen.append(np.asarray(out.logits[0, seqs.index(target)]))
             _commit(rows, np.asarray(out.tokens), plan)
         return seen
 
     prompt = PROMPTS[0][:9]
-    alone = _Seq(slot=1, blocks=[1, 2, 3, 4, 5, 6], tokens=list(prompt), prompt_len=9)
+    alone = _Seq(
+        slot=1, block_ids=[1, 2, 3, 4, 5, 6], tokens=list(prompt), prompt_len=9, params=params, seed=5
+    )
     want = run([alone], alone, 3, (16, 8))
-    other = _Seq(slot=2, blocks=[7, 8, 9, 10, 11, 12], tokens=list(range(3, 40)), prompt_len=37)
-    again = _Seq(slot=3, blocks=[13, 14, 15, 16, 17, 18], tokens=list(prompt), prompt_len=9)
-    third = _Seq(slot=4, blocks=[19, 20, 21, 22, 23, 24], tokens=[9, 8], prompt_len=2)
+    other = _Seq(2, [7, 8, 9, 10, 11, 12], list(range(3, 40)), prompt_len=37, params=params, seed=5)
+    again = _Seq(3, [13, 14, 15, 16, 17, 18], list(prompt), prompt_len=9, params=params, seed=5)
+    third = _Seq(4, [19, 20, 21, 22, 23, 24], [9, 8], prompt_len=2, params=params, seed=5)
     got = run([other, again, third], again, 3, (64, 8))
     for w, g in zip(want, got):
         np.testing.assert_array_equal(g, w)  # bitwise: no tolerance
@@ -311,6 +317,7 @@ def test_bfloat16_mode_with_a_bf16_cache_tracks_float32(model):
     ex = StepExecutor(
         bf16.params,
         paged,
+        ONE_DEVICE,
         num_blocks=num_blocks,
         num_slots=2,
         max_blocks_per_seq=MAX_LEN // BLOCK,
@@ -318,13 +325,13 @@ def test_bfloat16_mode_with_a_bf16_cache_tracks_float32(model):
     )
     assert str(ex.cache.dtype) == "bfloat16"
     prompt = PROMPTS[0]
-    seq = _Seq(slot=1, blocks=[2, 4, 6, 1, 3, 5], tokens=list(prompt), prompt_len=len(prompt))
+    seq = _Seq(slot=1, block_ids=[2, 4, 6, 1, 3, 5], tokens=list(prompt), prompt_len=len(prompt))
     got = []
     for _ in range(3):
         n = len(seq.tokens) - seq.cached
         plan = _plan([(seq, n)], (16, 8))
         out = ex.run(plan)
-        got.append(np.asarray(out.logits[0]))
+        got.append(np.asarray(out.logits[0, 0]))
         _commit([(seq, n)], np.asarray(out.tokens), plan)
     ids = np.zeros((1, REF_LEN), np.int32)
     ids[0, : len(seq.tokens)] = seq.tokens

@@ -119,7 +119,9 @@ def test_unknown_op_and_backend_errors(reg):
     with pytest.raises(ValueError, match="backend: unknown backend 'cuda'; known backends: auto, reference"):
         reg.select("double", backend="cuda")
     with pytest.raises(TypeError, match="backend must be a str"):
-        reg.select("double", backend=None)  # type: ignore[arg-type]
+        reg.select("double", backend=3)  # type: ignore[arg-type]
+    # None is the default: "what the active selection says", plain auto without one
+    assert reg.select("double", backend=None).requested == "auto"
 
 
 # ------------------------------------------------------------------ selection

@@ -27,7 +27,17 @@ def test_bench_smoke_runs_and_checks_every_kernel():
         "mxfp4_grouped_linear",
         "swiglu",
         "fp8_block_linear",
+        "v4_sparse_attention",
+        "v4_indexer_topk",
+        "v4_compress_store",
+        "paged_mla[bf16]",
+        "paged_mla[fp8]",
+        "mhc_sinkhorn",
     ]
+    # decode attention lines report the bytes moved and the achieved bandwidth
+    assert all(
+        "bw=" in line for line in lines if line.split()[1].startswith(("v4_sparse", "v4_indexer", "paged"))
+    )
     assert all("xla/kernel=" in line for line in lines)
     assert "all kernels match their references" in done.stdout
 

@@ -111,8 +111,9 @@ def test_penalties_through_the_count_state_end_to_end():
     logits[0, [1, 3, 8]] += 4.0  # make the penalised ids the favourites before penalties
     row = Row(temperature=0.0, repetition_penalty=2.0, presence_penalty=0.7, frequency_penalty=0.4)
     st_ = SamplingTensors.build([row], [0], [7], vocab)
-    out = sampling.sample(logits, st_, counts[1:2], num_logprobs=3)
+    out = sampling.sample(logits, st_, counts[1:2], num_logprobs=3, logprobs_mode="processed_logprobs")
     x = penalise(logits[0], prompt, output, np.float32(2.0), np.float32(0.7), np.float32(0.4))
     assert int(out.tokens[0]) == int(np.argmax(x))
-    # float32 log_softmax of values below ~10: a few ulps.
+    # The processed distribution of a greedy row is the penalised one; float32 log_softmax of values below ~10:
+    # a few ulps.
     np.testing.assert_allclose(np.asarray(out.top_logprobs[0]), np.sort(log_softmax(x))[::-1][:3], atol=1e-5)

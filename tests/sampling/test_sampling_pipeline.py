@@ -6,18 +6,39 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _sampling_ref import Row, draw, final_probs, kept_ids, log_softmax, mask, penalise, rank_and_top
+from _sampling_ref import (
+    Row,
+    draw,
+    final_probs,
+    kept_ids,
+    log_softmax,
+    mask,
+    penalise,
+    rank_and_top,
+    softmax,
+)
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from deepinfer_jax import sampling
+from deepinfer_jax.engine.params import SamplingParams
 from deepinfer_jax.sampling import PROMPT_FLAG, SamplingTensors
 
 V = 40
 _penalties = jax.jit(sampling.apply_penalties)
 _masks = jax.jit(sampling.apply_masks)
 _filter = jax.jit(sampling.filter_logits)
-_sample = jax.jit(sampling.sample, static_argnames=("num_logprobs", "batch_invariant", "backend"))
+_sample = jax.jit(
+    sampling.sample,
+    static_argnames=(
+        "num_logprobs",
+        "batch_invariant",
+        "backend",
+        "logprobs_mode",
+        "force_top_k",
+        "sum_smaller",
+    ),
+)
 _bits = jax.jit(sampling.random_bits)
 
 
@@ -126,9 +147,27 @@ _CASES = [
 EOS = (7,)
 
 
+def _expected_reported(mode, raw, x, case, keep):
+    """The reported values of one row under ``logprobs_mode`` (numpy, float64), from the raw logits ``raw``, the
+    penalised and masked ``x`` and (sampled rows) the kept ids."""
+    if mode == "raw_logprobs":
+        return log_softmax(raw)
+    if mode == "raw_logits":
+        return np.asarray(raw, np.float64)
+    if case.temperature == 0:
+        processed = np.asarray(x, np.float64)
+    else:
+        scaled = (np.asarray(x, np.float64) - np.max(x)) / case.temperature
+        processed = np.where(np.isin(np.arange(x.size), sorted(keep)), scaled, -np.inf)
+    if mode == "processed_logits":
+        return processed
+    return np.maximum(log_softmax(processed), -9999.0)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("batch_invariant", [False, True])
-def test_sample_matches_numpy_end_to_end(seed, batch_invariant):
+@pytest.mark.parametrize("mode", sampling.LOGPROBS_MODES)
+def test_sample_matches_numpy_end_to_end(seed, batch_invariant, mode):
     rng = np.random.default_rng(seed)
     n = len(_CASES)
     logits = (rng.normal(size=(n, V)) * 2).astype(np.float32)
@@ -144,7 +183,7 @@ def test_sample_matches_numpy_end_to_end(seed, batch_invariant):
     )
     counts = np.stack([_encode_counts(p, o) for p, o in zip(prompts, outputs)] + [np.zeros(V, np.int32)] * 3)
     padded = np.concatenate([logits, rng.normal(size=(3, V)).astype(np.float32)])
-    out = _sample(padded, st_, counts, num_logprobs=5, batch_invariant=batch_invariant)
+    out = _sample(padded, st_, counts, num_logprobs=5, batch_invariant=batch_invariant, logprobs_mode=mode)
     assert np.asarray(out.ok).all()
     bits = np.asarray(_bits(st_.seed, st_.position))
 
@@ -160,7 +199,7 @@ def test_sample_matches_numpy_end_to_end(seed, batch_invariant):
         )
         if case.min_tokens > 2:
             x = mask(x, set(case.stop_token_ids) | (set() if case.ignore_eos else set(EOS)))
-        reported = log_softmax(x)
+        keep: set[int] = set()
         if case.temperature == 0:
             token = int(np.argmax(x))
         else:
@@ -169,6 +208,7 @@ def test_sample_matches_numpy_end_to_end(seed, batch_invariant):
             token = draw(final_probs(x, f32(case.temperature), keep), bits[i])
             assert token in keep
         assert int(out.tokens[i]) == token, f"row {i} ({case})"
+        reported = _expected_reported(mode, logits[i], x, case, keep)
         # log_softmax in float32 of values below ~20: a few ulps of 20.
         np.testing.assert_allclose(float(out.logprob[i]), reported[token], atol=2e-5)
         rank, top = rank_and_top(reported, token, 5)
@@ -294,3 +334,67 @@ def test_sample_is_a_registered_op_with_its_reference():
     b = _sample(logits, st_, num_logprobs=2, backend="reference")
     for x, y in zip(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_golden_tokens_force_teacher_tokens_and_report_their_logprobs():
+    """``golden``: the row emits the given token (whatever was drawn or is the argmax) and reports its
+    log-probability and rank; a row without one samples normally."""
+    rng = np.random.default_rng(3)
+    logits = (rng.normal(size=(3, V)) * 2).astype(np.float32)
+    golden = SamplingParams(temperature=0.7, golden_token_ids=[5, 9])
+    rows = [golden, golden, SamplingParams(temperature=0.0)]
+    st_ = SamplingTensors.build(rows, [1, 1, 1], [3, 4, 3], V, output_lens=[0, 1, 0])
+    np.testing.assert_array_equal(st_.golden, [5, 9, -1])
+    out = _sample(logits, st_, num_logprobs=2)
+    np.testing.assert_array_equal(np.asarray(out.tokens), [5, 9, int(np.argmax(logits[2]))])
+    lp = log_softmax(logits[1])
+    np.testing.assert_allclose(float(out.logprob[1]), lp[9], atol=2e-5)
+    assert int(out.rank[1]) == rank_and_top(lp, 9, 2)[0]
+    beyond = SamplingTensors.build([golden], [1], [5], V, output_lens=[2])  # the list is used up: sample
+    assert int(beyond.golden[0]) == -1
+
+
+def test_force_top_k_restricts_every_row_to_its_top_k():
+    """``force_top_k = 3``: ids outside each row's top 3 (ties by ascending id) are never drawn, whatever the
+    temperature; the processed logprobs are a distribution over those 3."""
+    logits = np.array([[0.0, 3.0, 1.0, 3.0, 3.0, 2.5, 0.5, -1.0]] * 64, np.float32)
+    rows = [Row(temperature=5.0)] * 64
+    st_ = SamplingTensors.build(rows, list(range(64)), list(range(64)), 8)
+    out = _sample(logits, st_, num_logprobs=4, force_top_k=3, logprobs_mode="processed_logprobs")
+    assert set(np.asarray(out.tokens).tolist()) == {1, 3, 4}
+    kept = np.exp(np.asarray(out.top_logprobs[0][:3], np.float64))
+    np.testing.assert_allclose(kept.sum(), 1.0, rtol=1e-5)
+    assert float(out.top_logprobs[0][3]) == -9999.0  # outside the top-k space: the floor
+    free = _sample(logits, st_, num_logprobs=0)
+    assert set(np.asarray(free.tokens).tolist()) - {1, 3, 4}  # without it other ids are drawn
+
+
+def test_sum_smaller_probs_is_the_inclusive_ascending_cdf():
+    rng = np.random.default_rng(8)
+    logits = rng.normal(size=(2, V)).astype(np.float32)
+    logits[0, 3] = logits[0, 4]  # a tie: the lower id comes first in ascending order
+    rows = [Row(temperature=0.0), Row(temperature=0.9, top_k=6)]
+    st_ = SamplingTensors.build(rows, [2, 3], [1, 2], V)
+    out = _sample(logits, st_, num_logprobs=3, sum_smaller=True)
+    for i, row in enumerate(rows):
+        x = np.asarray(logits[i], np.float64)
+        if row.temperature == 0:
+            probs = softmax(x)
+        else:
+            keep, _ = kept_ids(logits[i], np.float32(row.temperature), 0.0, row.top_k, 1.0)
+            probs = final_probs(logits[i], np.float32(row.temperature), keep)
+        ids = np.arange(V)
+        for token, got in zip(
+            [int(out.tokens[i]), *np.asarray(out.top_ids[i]).tolist()],
+            [float(out.sum_smaller[i]), *np.asarray(out.top_sum_smaller[i]).tolist()],
+        ):
+            before = (probs < probs[token]) | ((probs == probs[token]) & (ids <= token))
+            np.testing.assert_allclose(got, probs[before].sum(), atol=1e-5)
+    off = _sample(logits, st_, num_logprobs=3)
+    assert not np.asarray(off.sum_smaller).any()
+
+
+def test_first_n_token_no_eos_masks_eos_for_the_first_outputs():
+    p = SamplingParams(temperature=0.0, first_n_token_no_eos=2)
+    st_ = SamplingTensors.build([p, p, p], [0, 0, 0], [5, 6, 7], V, output_lens=[0, 1, 2], eos_token_ids=[7])
+    assert [7 in row for row in st_.masked_ids.tolist()] == [True, True, False]

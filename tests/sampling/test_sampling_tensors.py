@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import numpy as np
 import pytest
@@ -44,7 +42,7 @@ def test_values_padding_and_normalisation():
     np.testing.assert_array_equal(st.seed, [[0, 0], [1, 0], [4, 3], [2**32 - 1, 2**32 - 1], [0, 0], [0, 0]])
     np.testing.assert_array_equal(st.position, [3, 0, 17, 2**31 - 1, 0, 0])
     np.testing.assert_array_equal(st.masked_ids, -np.ones((6, 1)))
-    dtypes = {f.name: getattr(st, f.name).dtype for f in dataclasses.fields(st)}
+    dtypes = {name: getattr(st, name).dtype for name in st._fields}
     assert dtypes == {
         **dict.fromkeys(
             ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"],
@@ -54,6 +52,7 @@ def test_values_padding_and_normalisation():
         "seed": np.uint32,
         "position": np.int32,
         "masked_ids": np.int32,
+        "golden": np.int32,
     }
 
 
@@ -89,7 +88,7 @@ def test_the_engines_sampling_params_are_accepted():
 def test_is_a_pytree_that_moves_to_the_device():
     st = SamplingTensors.build([Row()], [3], [4], V, num_rows=2)
     leaves = jax.tree.leaves(st)
-    assert len(leaves) == len(dataclasses.fields(st)) == 10
+    assert len(leaves) == len(st._fields) == 11
     on_device = jax.device_put(st)
     assert isinstance(on_device, SamplingTensors) and isinstance(on_device.seed, jax.Array)
     assert on_device.num_rows == 2
@@ -164,3 +163,25 @@ def test_bad_arguments_name_what_is_wrong():
         SamplingTensors.build([Row()], [0], [0], V, banned_token_ids=5)
     with pytest.raises(TypeError, match=r"params_list\[0\] \(object\) lacks attribute\(s\)"):
         SamplingTensors.build([object()], [0], [0], V)
+
+
+def test_rows_can_be_placed_anywhere_among_the_padding():
+    """``row_index``: the engine builds one tensor set for every device's rows at their places (device d's rows
+    start at d * S); the rows not named are padding, and errors name the entry of ``params_list``."""
+    hot = SamplingParams(temperature=0.7, top_k=3, min_tokens=2, stop_token_ids=[9])
+    st = SamplingTensors.build(
+        [hot, hot], [5, 6], [4, 7], 16, num_rows=6, row_index=[1, 4], eos_token_ids=[2]
+    )
+    np.testing.assert_array_equal(st.temperature, np.float32([0, 0.7, 0, 0, 0.7, 0]))
+    np.testing.assert_array_equal(st.top_k, [16, 3, 16, 16, 3, 16])
+    np.testing.assert_array_equal(st.position, [0, 4, 0, 0, 7, 0])
+    np.testing.assert_array_equal(st.seed[:, 0], [0, 5, 0, 0, 6, 0])
+    np.testing.assert_array_equal(st.masked_ids, [[-1, -1], [2, 9], [-1, -1], [-1, -1], [2, 9], [-1, -1]])
+    stacked = st.reshape_rows(2, 3)
+    assert stacked.temperature.shape == (2, 3) and stacked.seed.shape == (2, 3, 2)
+    with pytest.raises(ValueError, match="row_index repeats a row"):
+        SamplingTensors.build([hot, hot], [5, 6], [4, 7], 16, num_rows=6, row_index=[1, 1])
+    with pytest.raises(ValueError, match=r"row_index\[1\] = 6 must be in \[0, 5\]"):
+        SamplingTensors.build([hot, hot], [5, 6], [4, 7], 16, num_rows=6, row_index=[1, 6])
+    with pytest.raises(ValueError, match=r"params_list\[1\]\.top_k = -3"):
+        SamplingTensors.build([hot, Row(top_k=-3)], [5, 6], [4, 7], 16, num_rows=6, row_index=[3, 0])

@@ -5,6 +5,7 @@
 * :mod:`.model` -- :func:`forward_logits` (no cache), :func:`init_cache` / :func:`forward` (absorbed MLA over a
   contiguous latent cache) and :func:`mtp_forward` (the MTP draft head);
 * :mod:`.attention` -- MLA in naive and absorbed form (op ``"mla_attention"``);
+* :mod:`.paged` -- the engine's view: the decoder layers over a flat ragged batch and the paged latent cache;
 * :mod:`.family` -- the :class:`~deepinfer_jax.models.registry.ModelFamily` record;
 * :mod:`.synthetic` -- deterministic random checkpoints (NumPy only; imported by the built-in models without JAX).
 

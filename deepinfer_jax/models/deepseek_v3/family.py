@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from deepinfer_jax.models.deepseek_v3 import paged
 from deepinfer_jax.models.deepseek_v3.model import forward_logits
 from deepinfer_jax.models.deepseek_v3.weights import (
     IGNORED_TENSORS,
@@ -22,4 +23,6 @@ FAMILY = ModelFamily(
     init_params=init_params,
     forward_logits=forward_logits,
     logical_axes=logical_axes,
+    cache_storage=paged.cache_storage,
+    paged_model=paged.paged_model,
 )

@@ -46,15 +46,18 @@ from deepinfer_jax.models.deepseek_v4.compressor import (
     visible_entries,
 )
 from deepinfer_jax.numerics.activation import CastPolicy, kv_cast
-from deepinfer_jax.ops import apply_rope, register_op, rms_norm, rope_cos_sin
+from deepinfer_jax.ops import apply_rope, register_impl, register_op, rms_norm, rope_cos_sin
 from deepinfer_jax.ops import get as get_op
+from deepinfer_jax.ops.ascend import ascend_impl
 
 __all__ = [
+    "AttentionProjections",
     "AttentionSpec",
     "AttentionState",
     "attention_layer",
     "grouped_output_projection",
     "init_attention_state",
+    "project_attention",
     "sink_attention",
 ]
 
@@ -152,6 +155,16 @@ register_op(
     sink_attention,
     doc="DeepSeek-V4 attention core: one shared K=V head, boolean mask, per-head sink logits",
 )
+register_impl(
+    "v4_sink_attention",
+    "pallas_gpu",
+    "pallas_kernels.sparse_attention:v4_sink_attention",
+    platforms=("gpu",),
+    reason="the Pallas Triton kernel needs the pallas_kernels package",
+)
+register_impl(
+    "v4_sink_attention", "ascend", ascend_impl("v4_sink_attention", sink_attention), platforms=("ascend",)
+)
 
 
 def _row_block(
@@ -192,6 +205,72 @@ def grouped_output_projection(
         for g in range(groups)
     ]
     return linear(jnp.concatenate(z, axis=-1), wo_b, numerics)
+
+
+class AttentionProjections(NamedTuple):
+    """Everything one attention layer projects from its normalised input (:func:`project_attention`).
+
+    Attributes:
+      q: queries ``[..., Hq, D]``, head-normalised and rotated.
+      kv: the shared key/value ``[..., D]``, normalised and rotated (before any cache cast).
+      a, g: the compressor's float32 projections and gate logits ``[..., F]`` (compressed layers; else None).
+      ia, ig: the indexer compressor's (CSA layers; else None).
+      qi: indexer queries ``[..., Hi, Di]``, rotated and cast as the mode's indexer policy says (CSA).
+      w: float32 indexer head weights ``[..., Hi]`` with transformers' scales folded in (CSA).
+    """
+
+    q: jax.Array
+    kv: jax.Array
+    a: jax.Array | None = None
+    g: jax.Array | None = None
+    ia: jax.Array | None = None
+    ig: jax.Array | None = None
+    qi: jax.Array | None = None
+    w: jax.Array | None = None
+
+
+def project_attention(
+    p: Mapping[str, Any],
+    x: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    spec: AttentionSpec,
+    numerics: LinearNumerics,
+) -> AttentionProjections:
+    """The projections of one attention layer for normalised inputs ``x [..., H]`` at the positions of
+    ``cos``/``sin`` ``[..., rope_dim / 2]``: what the full forward and the engine's paged forward both need.
+
+    1. ``q_res = RMSNorm(x · wq_aᵀ; q_norm)``, ``q = q_res · wq_bᵀ`` split into heads, each head RMS-normalised
+       without a weight, RoPE on the last ``rope_dim`` channels; ``kv = RMSNorm(x · wkvᵀ; kv_norm)``, rotated.
+    2. Compressed layers: the compressor's float32 projections ``x · wkvᵀ`` and gate logits ``x · wgateᵀ``.
+    3. CSA layers: the same for the indexer's own compressor, the indexer queries ``q_res · wq_bᵀ`` (rotated,
+       cast by the mode's indexer policy) and the head weights. transformers' positive scales (``Di^-1/2`` on
+       the dots, ``Hi^-1/2`` on the weights) change no selection but are kept so the scores themselves can be
+       compared; the weights are a projection output like any other, rounded to the activation dtype (a no-op
+       in parity mode) before the scale.
+    """
+    lead = x.shape[:-1]
+    q_res = rms_norm(linear(x, p["wq_a"], numerics), p["q_norm"], eps=spec.eps)
+    q = linear(q_res, p["wq_b"], numerics).reshape(*lead, spec.heads, spec.head_dim)
+    q = apply_rope(rms_norm(q, None, eps=spec.eps), cos, sin, rope_dim=spec.rope_dim)
+    kv = rms_norm(linear(x, p["wkv"], numerics), p["kv_norm"], eps=spec.eps)
+    kv = apply_rope(kv, cos, sin, rope_dim=spec.rope_dim)
+    if spec.kind == SLIDING:
+        return AttentionProjections(q, kv)
+    cp = p["compressor"]
+    a = linear(x, cp["wkv"], numerics, out_dtype=jnp.float32)
+    g = linear(x, cp["wgate"], numerics, out_dtype=jnp.float32)
+    if spec.kind != CSA:
+        return AttentionProjections(q, kv, a, g)
+    ip = p["indexer"]
+    ia = linear(x, ip["compressor"]["wkv"], numerics, out_dtype=jnp.float32)
+    ig = linear(x, ip["compressor"]["wgate"], numerics, out_dtype=jnp.float32)
+    qi = linear(q_res, ip["wq_b"], numerics).reshape(*lead, spec.index_heads, spec.index_dim)
+    qi = kv_cast(apply_rope(qi, cos, sin, rope_dim=spec.rope_dim), spec.casts.indexer)
+    scale = (spec.index_dim**-0.5) * (spec.index_heads**-0.5)
+    w = linear(x, ip["weights_proj"], numerics, out_dtype=jnp.float32)
+    w = w.astype(x.dtype).astype(jnp.float32) * jnp.float32(scale)
+    return AttentionProjections(q, kv, a, g, ia, ig, qi, w)
 
 
 def _window_keys(
@@ -246,14 +325,10 @@ def attention_layer(
     positions = start[:, None] + jnp.arange(s, dtype=jnp.int32)  # [B, S]
     freqs = spec.freqs()
     cos, sin = rope_cos_sin(positions, freqs)  # [B, S, rope_dim/2]
-
-    q_res = rms_norm(linear(x, p["wq_a"], numerics), p["q_norm"], eps=spec.eps)
-    q = linear(q_res, p["wq_b"], numerics).reshape(b, s, spec.heads, spec.head_dim)
-    q = rms_norm(q, None, eps=spec.eps)
-    q = apply_rope(q, cos, sin, rope_dim=spec.rope_dim)
-    kv = rms_norm(linear(x, p["wkv"], numerics), p["kv_norm"], eps=spec.eps)
+    pr = project_attention(p, x, cos, sin, spec, numerics)
+    q = pr.q
     # §12.4 item 2: the window cache's format is what every reader sees, the current chunk included.
-    kv = kv_cast(apply_rope(kv, cos, sin, rope_dim=spec.rope_dim), spec.casts.window_keys)
+    kv = kv_cast(pr.kv, spec.casts.window_keys)
 
     keys, mask, ring = _window_keys(state.window, kv, start, positions, lengths, spec.window)
     compressor_state, indexer_state = state.compressor, state.indexer
@@ -263,8 +338,8 @@ def attention_layer(
         cp = p["compressor"]
         compressor_state = compress_chunk(
             compressor_state,
-            linear(x, cp["wkv"], numerics, out_dtype=jnp.float32),
-            linear(x, cp["wgate"], numerics, out_dtype=jnp.float32),
+            pr.a,
+            pr.g,
             start,
             ape=cp["ape"],
             norm_weight=cp["norm"],
@@ -282,12 +357,11 @@ def attention_layer(
                 raise ValueError(
                     "attention_layer: a compressed_sparse_attention layer needs an indexer state"
                 )
-            ip = p["indexer"]
-            icp = ip["compressor"]
+            icp = p["indexer"]["compressor"]
             indexer_state = compress_chunk(
                 indexer_state,
-                linear(x, icp["wkv"], numerics, out_dtype=jnp.float32),
-                linear(x, icp["wgate"], numerics, out_dtype=jnp.float32),
+                pr.ia,
+                pr.ig,
                 start,
                 ape=icp["ape"],
                 norm_weight=icp["norm"],
@@ -298,15 +372,7 @@ def attention_layer(
                 entry_dtype=x.dtype,
                 cache_cast=spec.casts.indexer,
             )
-            qi = linear(q_res, ip["wq_b"], numerics).reshape(b, s, spec.index_heads, spec.index_dim)
-            qi = kv_cast(apply_rope(qi, cos, sin, rope_dim=spec.rope_dim), spec.casts.indexer)
-            # transformers' positive scales (Di^-1/2 on the dots, Hi^-1/2 on the weights) change no selection
-            # but are kept so the scores themselves can be compared. The head weights are a projection output
-            # like any other: rounded to the activation dtype (a no-op in parity mode) before the scale.
-            scale = (spec.index_dim**-0.5) * (spec.index_heads**-0.5)
-            weights = linear(x, ip["weights_proj"], numerics, out_dtype=jnp.float32)
-            weights = weights.astype(x.dtype).astype(jnp.float32) * jnp.float32(scale)
-            scores = get_op("v4_indexer_scores")(qi, indexer_state.entries, weights)
+            scores = get_op("v4_indexer_scores")(pr.qi, indexer_state.entries, pr.w)
             scores = scores.astype(spec.score_dtype)
             selected = indexer_select(scores, selected, spec.index_topk)
         keys = jnp.concatenate([keys, entries.astype(keys.dtype)], axis=1)

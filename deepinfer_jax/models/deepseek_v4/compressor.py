@@ -39,8 +39,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from deepinfer_jax.numerics.activation import kv_cast
-from deepinfer_jax.ops import apply_rope, register_op, rms_norm, rope_cos_sin
+from deepinfer_jax.ops import apply_rope, register_impl, register_op, rms_norm, rope_cos_sin
 from deepinfer_jax.ops import get as get_op
+from deepinfer_jax.ops.ascend import ascend_impl
 
 __all__ = [
     "CompressorState",
@@ -269,6 +270,16 @@ register_op(
     "v4_indexer_scores",
     indexer_scores,
     doc="DeepSeek-V4 lightning indexer: head-weighted sum of ReLU(q·k) over compressed keys",
+)
+register_impl(
+    "v4_indexer_scores",
+    "pallas_gpu",
+    "pallas_kernels.indexer:v4_indexer_scores",
+    platforms=("gpu",),
+    reason="the Pallas Triton kernel needs the pallas_kernels package",
+)
+register_impl(
+    "v4_indexer_scores", "ascend", ascend_impl("v4_indexer_scores", indexer_scores), platforms=("ascend",)
 )
 
 

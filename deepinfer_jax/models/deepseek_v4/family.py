@@ -21,6 +21,7 @@ import numpy as np
 
 from deepinfer_jax.config.v4 import DeepseekV4Config
 from deepinfer_jax.models.deepseek_v4 import model as v4_model
+from deepinfer_jax.models.deepseek_v4 import paged
 from deepinfer_jax.models.deepseek_v4.axes import logical_axes
 from deepinfer_jax.models.deepseek_v4.params import assemble_params, checkpoint_contract, compute_dtype
 from deepinfer_jax.models.registry import ModelFamily
@@ -76,4 +77,6 @@ FAMILY = ModelFamily(
     init_params=init_params,
     forward_logits=forward_logits,
     logical_axes=logical_axes,
+    cache_storage=paged.cache_storage,
+    paged_model=paged.paged_model,
 )

@@ -73,6 +73,18 @@ def forward_logits(params: Any, cfg: DeepseekV41Config, input_ids: jax.Array) ->
     return v41_model.forward_logits(params, input_ids, static=static_for(cfg, precision_mode(params)))
 
 
+def _cache_storage(dtype: str, kv_cache_dtype: str = "auto") -> str:
+    from deepinfer_jax.models.deepseek_v4 import paged_v41  # it imports this module
+
+    return paged_v41.cache_storage(dtype, kv_cache_dtype)
+
+
+def _paged_model(model: Any, **kwargs: Any) -> Any:
+    from deepinfer_jax.models.deepseek_v4 import paged_v41
+
+    return paged_v41.paged_model(model, **kwargs)
+
+
 FAMILY = ModelFamily(
     name="deepseek_v41",
     expected_tensors=expected_tensors,
@@ -81,4 +93,6 @@ FAMILY = ModelFamily(
     init_params=init_params,
     forward_logits=forward_logits,
     logical_axes=logical_axes,
+    cache_storage=_cache_storage,
+    paged_model=_paged_model,
 )

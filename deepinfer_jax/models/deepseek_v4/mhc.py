@@ -21,6 +21,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from deepinfer_jax.ops import get as get_op
+from deepinfer_jax.ops import register_impl, register_op
+from deepinfer_jax.ops.ascend import ascend_impl
+
 __all__ = [
     "HcMixes",
     "hc_collapse",
@@ -73,6 +77,21 @@ def sinkhorn(logits: jax.Array, *, iters: int, eps: float) -> jax.Array:
     return lax.fori_loop(0, iters - 1, body, x)
 
 
+register_op(
+    "mhc_sinkhorn",
+    sinkhorn,
+    doc="mHC: Sinkhorn projection of each token's m x m mixing logits onto doubly-stochastic matrices (§6.3)",
+)
+register_impl(
+    "mhc_sinkhorn",
+    "pallas_gpu",
+    "pallas_kernels.mhc:mhc_sinkhorn",
+    platforms=("gpu",),
+    reason="the Pallas Triton kernel needs the pallas_kernels package",
+)
+register_impl("mhc_sinkhorn", "ascend", ascend_impl("mhc_sinkhorn", sinkhorn), platforms=("ascend",))
+
+
 def hc_mixes(
     streams: jax.Array,
     fn: jax.Array,
@@ -109,7 +128,9 @@ def hc_mixes(
     pre = jax.nn.sigmoid(mixed[..., :m] * scale[0] + base[:m]) + jnp.float32(hc_eps)
     post = 2.0 * jax.nn.sigmoid(mixed[..., m : 2 * m] * scale[1] + base[m : 2 * m])
     comb_logits = mixed[..., 2 * m :] * scale[2] + base[2 * m :]
-    comb = sinkhorn(comb_logits.reshape(*comb_logits.shape[:-1], m, m), iters=sinkhorn_iters, eps=hc_eps)
+    comb = get_op("mhc_sinkhorn")(
+        comb_logits.reshape(*comb_logits.shape[:-1], m, m), iters=sinkhorn_iters, eps=hc_eps
+    )
     return HcMixes(pre=pre, post=post, comb=comb)
 
 

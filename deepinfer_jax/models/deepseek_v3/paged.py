@@ -1,11 +1,11 @@
-"""DeepSeek-V3 over the paged latent cache: the decoder layers of one engine step on a flat ragged batch.
+"""DeepSeek-V3 in the engine: the decoder layers of one step over a flat ragged batch and the paged latent cache.
 
 Every layer writes each token's MLA latent (``c`` and the rotated ``k_pe``) into the paged cache at the token's
 (block table, position), then attends blockwise over each sequence's blocks with op ``"paged_mla_attention"``
 (the absorbed form: queries are mapped into the latent space by ``W_UK``, outputs out of it by ``W_UV``). The
 MLP/MoE block is the contiguous model's own (``deepseek_v3.model.feed_forward``), so both paths share one
 implementation of DeepSeekMoE. In batch-invariant mode every per-token computation runs in fixed tiles
-(:func:`~deepinfer_jax.engine.paged_model.rowwise`), the attention included.
+(:func:`~deepinfer_jax.ops.tiling.rowwise`), the attention included.
 """
 
 from __future__ import annotations
@@ -19,19 +19,29 @@ import jax.numpy as jnp
 from deepinfer_jax.cache.paged import (
     LatentCacheSpec,
     init_latent_cache,
+    latent_cache_dtype,
     latent_cache_layout,
     slot_mapping,
     write_tokens,
 )
 from deepinfer_jax.cache.ragged import RaggedMeta
 from deepinfer_jax.config.v3 import DeepseekV3Config
-from deepinfer_jax.engine.paged_model import CacheLayout, PagedModel, rowwise
 from deepinfer_jax.models.common import embed_tokens, linear, lm_head
 from deepinfer_jax.models.deepseek_v3 import model as v3_model
 from deepinfer_jax.models.deepseek_v3.attention import mla_project
+from deepinfer_jax.models.paged import CacheLayout, PagedModel
 from deepinfer_jax.ops.registry import select
+from deepinfer_jax.ops.tiling import rowwise
 
-__all__ = ["PagedMeta", "V3PagedModel", "forward_logits", "forward_paged", "paged_decoder_layer"]
+__all__ = [
+    "PagedMeta",
+    "V3PagedModel",
+    "cache_storage",
+    "forward_logits",
+    "forward_paged",
+    "paged_decoder_layer",
+    "paged_model",
+]
 
 Params = dict[str, Any]
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -107,7 +117,8 @@ def paged_decoder_layer(
         return x + v3_model.feed_forward(rms_norm(x, p["post_attn_norm"], eps=eps)[None], p["mlp"], pl)[0]
 
     q_lat, q_pe, entries = rowwise(project, tile, x, cos, sin)
-    cache = write_tokens(cache, layer, entries, meta.blocks, meta.offsets)
+    # kv_rank: an FP8 latent record of V3's real 512 + 64 does not tell its latent width by its size alone.
+    cache = write_tokens(cache, layer, entries, meta.blocks, meta.offsets, kv_rank=cfg.kv_lora_rank)
 
     def attend(q_lat: jax.Array, q_pe: jax.Array, token_seq: jax.Array, positions: jax.Array) -> jax.Array:
         return select("paged_mla_attention")(
@@ -196,8 +207,8 @@ class V3PagedModel(PagedModel):
     def layout(self) -> CacheLayout:
         return latent_cache_layout(self.cfg, block_size=self.block_size, dtype=self.dtype)
 
-    def init_cache(self, num_blocks: int, num_slots: int, sharding: Any = None) -> Any:
-        return init_latent_cache(self.latent_spec(num_blocks), sharding)
+    def init_cache(self, num_blocks: int, num_slots: int) -> Any:
+        return init_latent_cache(self.latent_spec(num_blocks))
 
     def forward(
         self,
@@ -210,3 +221,14 @@ class V3PagedModel(PagedModel):
         logit_index: jax.Array | None = None,
     ) -> tuple[jax.Array, Any]:
         return forward_logits(params, self.cfg, token_ids, cache, meta, tile=tile, logit_index=logit_index)
+
+
+def cache_storage(dtype: str, kv_cache_dtype: str = "auto") -> str:
+    """The latent cache's storage for precision ``dtype`` and the ``kv_cache_dtype`` setting (``ValueError``
+    naming the value and the choices)."""
+    return latent_cache_dtype(dtype, kv_cache_dtype)
+
+
+def paged_model(model: Any, *, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> V3PagedModel:
+    """The engine's view of a loaded V3 model (``load_model``'s result)."""
+    return V3PagedModel(model.config, block_size, cache_storage(dtype, kv_cache_dtype))

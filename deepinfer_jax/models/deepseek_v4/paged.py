@@ -19,30 +19,36 @@ A layer of a step (``T`` tokens of many rows, each at its own position, prefill 
 2. the window keys of each token from this step's keys or the slot's ring
    (:func:`~deepinfer_jax.cache.ragged.history`), then the ring update;
 3. compressed layers: the tokens that complete an entry (``(p + 1) % r == 0``, at most ``T // r + S`` of them)
-   gather the ``r``/``2r`` projections they pool (:func:`~deepinfer_jax.cache.ragged.history` with ``index=``), pool
-   them with op ``v4_compressor_pool``, normalise, rotate to the entry's first position and write the entry
-   into its page -- before any query reads, so later tokens of the same step (and the emitting token itself)
-   see it, as in the contiguous model;
-4. attention with sinks as one online softmax: the window part, then for HCA every visible entry, walked page
-   by page (:func:`~deepinfer_jax.cache.paged_walk.paged_attend_all`), and for CSA the indexer's top-k:
-   indexer keys scored page by page (:func:`~deepinfer_jax.cache.paged_walk.paged_scores`, op
-   ``v4_indexer_scores``), the best ``index_topk`` visible entries gathered and attended;
+   gather the ``r``/``2r`` projections they pool (:func:`~deepinfer_jax.cache.ragged.history` with ``index=``), and
+   op ``v4_compress_store`` pools them, normalises, rotates the entry to its first position, encodes it and writes
+   it at its flat page row -- before any query reads, so later tokens of the same step (and the emitting token
+   itself) see it, as in the contiguous model;
+4. attention with sinks: window-only and CSA layers through op ``v4_sparse_attention`` over the stored window keys
+   and, for CSA, the lightning indexer's top-k (op ``v4_indexer_topk`` over the stored indexer keys, streaming over
+   the pages; :func:`~deepinfer_jax.ops.sparse_attention.entry_slots` turns the selection into page rows); HCA
+   layers as one online softmax over the window and every visible entry, walked page by page
+   (:func:`~deepinfer_jax.cache.paged_walk.paged_attend_all`);
 5. de-rotation, the grouped output projection, mHC, and the (hash- or score-routed) MoE of the model itself
    (``moe_layer`` on a ``[1, T, H]`` view).
 
 Temporary memory per layer scales with the step's tokens times what each reads (``W`` window keys, ``k``
-selected entries, one page while walking) plus ``[T, entries]`` indexer scores, never with the cache.
+selected entries, one page while walking or scoring) plus the indexer's running top-k and one scored chunk,
+never with the cache.
 
-**Cache formats.** ``cache_dtype="float32"`` stores keys unquantised (in the precision mode's activation dtype,
-float32 in parity mode). ``cache_dtype="bfloat16"`` stores the production records of ARCHITECTURE §8 as bytes
+**Cache formats.** ``cache_dtype="float32"`` / ``"bfloat16"`` store keys unquantised in that dtype (the mode's
+own round trips applied first). ``cache_dtype="quantized"`` stores the production records as bytes
 (:mod:`deepinfer_jax.numerics.kv_records`): MXFP8 window keys, FP4 (E2M1 + E4M3 per 16) compressed entries and
 MXFP4 indexer keys; every reader, the step that wrote a key included, sees its decoded value, which is the
-round trip the bfloat16 model applies (spec §12.4). Compression state is float32 in every mode.
+round trip the bfloat16 model applies (spec §12.4). Compression state is float32 in every mode. The ops read and
+write the keys in their stored format (``KeyStore.op_format``); unquantised keys with the bfloat16 mode's cache
+casts are pooled and cast here and only written by an op (``kv_store_records``), since ``v4_compress_store``
+cannot apply a cast between its RoPE and its write.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,103 +59,33 @@ from deepinfer_jax.cache import paged_walk as pw
 from deepinfer_jax.cache.ragged import (
     RaggedMeta,
     compressed_slots,
-    gather_entries,
     history,
+    page_rows,
     ring_write,
-    write_entries,
+    rowwise_meta,
 )
+from deepinfer_jax.cache.stores import CompressedCache, KeyStore, key_cache_storage, key_store
 from deepinfer_jax.config.v4 import DeepseekV4Config
-from deepinfer_jax.engine.paged_model import CacheLayout, PagedModel, rowwise, rowwise_meta, zeros
 from deepinfer_jax.models.common.embedding import embed_tokens, lm_head
-from deepinfer_jax.models.common.linear import LinearNumerics, linear
+from deepinfer_jax.models.common.linear import LinearNumerics
 from deepinfer_jax.models.deepseek_v4.attention import (
     CSA,
     SLIDING,
     AttentionSpec,
     grouped_output_projection,
+    project_attention,
 )
 from deepinfer_jax.models.deepseek_v4.mhc import hc_collapse, hc_expand, hc_head, hc_mixes
 from deepinfer_jax.models.deepseek_v4.model import V4Plan, moe_layer, numerics_for
-from deepinfer_jax.numerics.activation import kv_cast
-from deepinfer_jax.numerics.kv_records import (
-    RecordFormat,
-    compressed_record_format,
-    decode_records,
-    encode_records,
-    indexer_record_format,
-    window_record_format,
-)
+from deepinfer_jax.models.paged import CacheLayout, PagedModel
 from deepinfer_jax.ops import apply_rope, rms_norm, rope_cos_sin
 from deepinfer_jax.ops import get as get_op
+from deepinfer_jax.ops.sparse_attention import entry_slots
+from deepinfer_jax.ops.tiling import rowwise
 
-__all__ = ["CACHE_DTYPES", "KeyStore", "V4PagedModel"]
-
-CACHE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
-"""``cache_dtype`` values: unquantised keys, or the production record formats (module docstring)."""
+__all__ = ["V4PagedModel", "cache_storage", "paged_model"]
 
 Params = Mapping[str, Any]
-_RECORD_NAMES = {("e4m3", "ue8m0"): "MXFP8", ("e2m1", "e4m3"): "FP4", ("e2m1", "ue8m0"): "MXFP4"}
-
-
-@dataclasses.dataclass(frozen=True)
-class KeyStore:
-    """How one kind of key (window, compressed, indexer) is stored: plain values or quantised records.
-
-    With ``record`` set, keys are ``uint8 [..., record_bytes]`` records and reading one back gives the
-    format's dequantised value; otherwise they are values of ``dtype`` and ``cast`` names the precision mode's
-    own round trip (:func:`~deepinfer_jax.numerics.activation.kv_cast`, ``"none"`` in parity mode).
-    """
-
-    width: int
-    dtype: str
-    cast: str = "none"
-    record: RecordFormat | None = None
-
-    @property
-    def item_shape(self) -> tuple[int, ...]:
-        return (self.record.record_bytes,) if self.record is not None else (self.width,)
-
-    @property
-    def item_dtype(self) -> Any:
-        return jnp.uint8 if self.record is not None else jnp.dtype(self.dtype)
-
-    @property
-    def item_bytes(self) -> int:
-        return (
-            self.record.record_bytes
-            if self.record is not None
-            else self.width * jnp.dtype(self.dtype).itemsize
-        )
-
-    def describe(self) -> str:
-        """One key's storage in words, e.g. ``"MXFP8 132 B"`` or ``"float32 512 B"``."""
-        if self.record is not None:
-            name = _RECORD_NAMES.get((self.record.element, self.record.scale), self.record.name)
-            return f"{name} {self.record.record_bytes} B"
-        return f"{self.dtype} {self.item_bytes} B"
-
-    def encode(self, x: jax.Array) -> jax.Array:
-        """What is stored for keys ``x [..., width]``."""
-        if self.record is not None:
-            return encode_records(x.astype(jnp.float32), self.record)
-        return kv_cast(x, self.cast).astype(self.item_dtype)
-
-    def decode(self, stored: jax.Array, dtype: Any) -> jax.Array:
-        """The keys a reader sees, in ``dtype``."""
-        if self.record is not None:
-            return decode_records(stored, self.record, dtype=jnp.float32).astype(dtype)
-        return stored.astype(dtype)
-
-
-def _store(kind: str, width: int, cache_dtype: str, act: str, cast: str) -> KeyStore:
-    if cache_dtype == "float32":
-        return KeyStore(width, act, cast)
-    fmt = {
-        "window": window_record_format,
-        "compressed": compressed_record_format,
-        "indexer": indexer_record_format,
-    }[kind](width)
-    return KeyStore(width, act, cast, fmt)
 
 
 def _compressor_feats(spec: AttentionSpec, width: int) -> tuple[int, int]:
@@ -164,14 +100,16 @@ class V4PagedModel(PagedModel):
     """DeepSeek-V4 over paged compressed entries and per-sequence state slots (module docstring).
 
     Build it with :meth:`create`. Frozen and hashable: the engine passes it to the jitted step as a static
-    argument.
+    argument. Its cache is a :class:`~deepinfer_jax.cache.stores.CompressedCache`: every layer's window ring,
+    the pages of every compressed layer (``kv``) and of every CSA layer's indexer (``ik``), and the projection
+    rings of every compressor (``state``: each compressed layer's, then each CSA layer's indexer compressor).
 
     Attributes:
       cfg: the model's :class:`~deepinfer_jax.config.v4.DeepseekV4Config`.
       plan: the :class:`~deepinfer_jax.models.deepseek_v4.model.V4Plan` of the precision mode.
       numerics: its linear numerics.
       block_size: tokens per cache block (every compression ratio divides it).
-      cache_dtype: ``"float32"`` or ``"bfloat16"`` (production records).
+      cache_dtype: ``"float32"``, ``"bfloat16"`` (unquantised keys) or ``"quantized"`` (production records).
       window, compressed, indexer: how each kind of key is stored (:class:`KeyStore`).
       walk_chunk: block-table columns per iteration of the page walks.
     """
@@ -191,40 +129,38 @@ class V4PagedModel(PagedModel):
         """The engine's view of a loaded V4 model (``load_model``'s result) in precision mode ``dtype``.
 
         Refuses a ``block_size`` that a layer's compression ratio does not divide and a ``cache_dtype``
-        outside :data:`CACHE_DTYPES`.
+        outside ``("auto", "float32", "bfloat16", "quantized")``.
         """
         cfg = model.config
         if not isinstance(cfg, DeepseekV4Config):
             raise TypeError(f"model.config: expected a DeepseekV4Config, got {type(cfg).__name__}")
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype: {dtype!r} is not a precision mode; expected 'float32' or 'bfloat16'")
-        if cache_dtype not in CACHE_DTYPES:
-            raise ValueError(f"cache_dtype: {cache_dtype!r} is not supported; expected one of {CACHE_DTYPES}")
+        cache_dtype = key_cache_storage("deepseek_v4", dtype, cache_dtype)
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size: expected an int >= 1, got {block_size!r}")
         plan = V4Plan.from_config(cfg, dtype)
         casts = plan.casts
         head_dim = cfg.head_dim
         index_dim = cfg.index_head_dim or 0
-        if cache_dtype == "bfloat16":
+        if cache_dtype == "quantized":
             for field, width, group in (("head_dim", head_dim, 32), ("index_head_dim", index_dim, 32)):
                 if width % group:
                     raise ValueError(
                         f"{field} = {width}: the production cache records quantise groups of {group} values; "
                         f"use kv_cache_dtype='float32' for this model"
                     )
+        store = functools.partial(key_store, cache_dtype=cache_dtype)
         model_obj = cls(
             cfg=cfg,
             plan=plan,
             numerics=numerics_for(cfg, dtype),
             block_size=block_size,
             cache_dtype=cache_dtype,
-            window=_store("window", head_dim, cache_dtype, plan.dtype, casts.window_keys),
-            compressed=_store("compressed", head_dim, cache_dtype, plan.dtype, casts.compressed_keys),
+            window=store("window", head_dim, cast=casts.window_keys),
+            compressed=store("compressed", head_dim, cast=casts.compressed_keys),
             # A model without CSA layers stores no indexer keys; the placeholder is never read.
-            indexer=_store("indexer", index_dim, cache_dtype, plan.dtype, casts.indexer)
-            if index_dim
-            else KeyStore(0, plan.dtype),
+            indexer=store("indexer", index_dim, cast=casts.indexer) if index_dim else KeyStore(0, "float32"),
         )
         model_obj.check_block_size(block_size)
         return model_obj
@@ -243,6 +179,22 @@ class V4PagedModel(PagedModel):
                     f"cache.block_size = {block_size}: layer {i} ({spec.kind}) has compression ratio "
                     f"{spec.ratio}, which does not divide it; use a multiple of {spec.ratio}"
                 )
+
+    @functools.cached_property
+    def slots(self) -> tuple[tuple[int, int, int, int], ...]:
+        """Per layer, where its parts of the :class:`CompressedCache` are: ``(kv page index, indexer page index,
+        compressor ring index, indexer compressor ring index)``, ``-1`` where the layer has none."""
+        compressed = [i for i, s in enumerate(self.plan.attention) if s.kind != SLIDING]
+        sparse = [i for i, s in enumerate(self.plan.attention) if s.kind == CSA]
+        return tuple(
+            (
+                compressed.index(i) if i in compressed else -1,
+                sparse.index(i) if i in sparse else -1,
+                compressed.index(i) if i in compressed else -1,
+                len(compressed) + sparse.index(i) if i in sparse else -1,
+            )
+            for i in range(len(self.plan.attention))
+        )
 
     def _layer_bytes(self, spec: AttentionSpec) -> tuple[int, int]:
         """``(bytes per block, bytes per slot)`` of one layer."""
@@ -287,13 +239,9 @@ class V4PagedModel(PagedModel):
                 text += f") = {b} B per block"
             lines.append(text)
         storage = (
-            "float32"
-            if self.cache_dtype == "float32" and self.plan.dtype == "float32"
-            else (
-                "MXFP8 window, FP4 compressed, MXFP4 indexer"
-                if self.cache_dtype == "bfloat16"
-                else self.plan.dtype
-            )
+            "MXFP8 window, FP4 compressed, MXFP4 indexer"
+            if self.cache_dtype == "quantized"
+            else self.cache_dtype
         )
         return CacheLayout(
             block_size=self.block_size,
@@ -303,58 +251,47 @@ class V4PagedModel(PagedModel):
             lines=tuple(lines),
         )
 
-    def init_cache(self, num_blocks: int, num_slots: int, sharding: Any = None) -> Any:
-        """A tuple of per-layer dicts (module docstring): ``window`` ``[num_slots, W, ...]``; compressed layers add
-        ``kv_ring``/``gate_ring`` ``[num_slots, R, F]`` and ``pages`` ``[num_blocks, block / r, ...]``; CSA layers
-        add the same under ``index_*``."""
-        layers = []
-        for spec in self.plan.attention:
-            layer = {
-                "window": zeros(
-                    (num_slots, spec.window, *self.window.item_shape), self.window.item_dtype, sharding
-                )
-            }
-            if spec.kind != SLIDING:
-                per_page = self.block_size // spec.ratio
-                ring, feats = _compressor_feats(spec, spec.head_dim)
-                layer["kv_ring"] = zeros((num_slots, ring, feats), jnp.float32, sharding)
-                layer["gate_ring"] = zeros((num_slots, ring, feats), jnp.float32, sharding)
-                layer["pages"] = zeros(
-                    (num_blocks, per_page, *self.compressed.item_shape), self.compressed.item_dtype, sharding
-                )
-                if spec.kind == CSA:
-                    ring, feats = _compressor_feats(spec, spec.index_dim)
-                    layer["index_kv_ring"] = zeros((num_slots, ring, feats), jnp.float32, sharding)
-                    layer["index_gate_ring"] = zeros((num_slots, ring, feats), jnp.float32, sharding)
-                    layer["index_pages"] = zeros(
-                        (num_blocks, per_page, *self.indexer.item_shape), self.indexer.item_dtype, sharding
-                    )
-            layers.append(layer)
-        return tuple(layers)
+    def init_cache(self, num_blocks: int, num_slots: int) -> CompressedCache:
+        """A zeroed :class:`CompressedCache`: window rings ``[num_slots, W, ...]``, pages ``[num_blocks, block / r,
+        ...]`` and compressor rings ``[num_slots, R, F]`` (float32)."""
+        specs = self.plan.attention
+        compressed = [s for s in specs if s.kind != SLIDING]
+        sparse = [s for s in specs if s.kind == CSA]
+
+        def rings(spec: AttentionSpec, width: int) -> tuple[jax.Array, jax.Array]:
+            ring, feats = _compressor_feats(spec, width)
+            return tuple(jnp.zeros((num_slots, ring, feats), jnp.float32) for _ in range(2))
+
+        return CompressedCache(
+            window=tuple(self.window.zeros(num_slots, s.window) for s in specs),
+            kv=tuple(self.compressed.zeros(num_blocks, self.block_size // s.ratio) for s in compressed),
+            ik=tuple(self.indexer.zeros(num_blocks, self.block_size // s.ratio) for s in sparse),
+            state=tuple(rings(s, s.head_dim) for s in compressed)
+            + tuple(rings(s, s.index_dim) for s in sparse),
+        )
 
     # ------------------------------------------------------------------------------------------ forward
 
     def forward(
         self,
         params: Any,
-        cache: Any,
+        cache: CompressedCache,
         token_ids: jax.Array,
         meta: RaggedMeta,
         *,
         tile: int | None,
         logit_index: jax.Array | None = None,
-    ) -> tuple[jax.Array, Any]:
+    ) -> tuple[jax.Array, CompressedCache]:
         """Float32 logits of the tokens ``logit_index`` (default each row's last token) and the updated cache."""
         plan = self.plan
-        if len(cache) != plan.num_layers:
-            raise ValueError(f"cache: {len(cache)} layers, the model has {plan.num_layers}")
+        if len(cache.window) != plan.num_layers:
+            raise ValueError(f"cache: {len(cache.window)} layers, the model has {plan.num_layers}")
         act = jnp.dtype(plan.dtype)
         x = embed_tokens(params["embed"], token_ids, dtype=act)  # [T, H]
         streams = jnp.broadcast_to(x[:, None, :], (x.shape[0], plan.hc_mult, x.shape[-1]))
-        new_cache = []
+        parts = {name: list(getattr(cache, name)) for name in ("window", "kv", "ik", "state")}
         for i, (spec, lp) in enumerate(zip(plan.attention, params["layers"], strict=True)):
-            streams, layer_cache = self._layer(lp, spec, i, streams, token_ids, cache[i], meta, tile)
-            new_cache.append(layer_cache)
+            streams = self._layer(lp, spec, i, streams, token_ids, parts, meta, tile)
 
         def head(s: jax.Array) -> jax.Array:
             h = hc_head(s, **params["hc_head"], hc_eps=plan.hc_eps, norm_eps=plan.eps)
@@ -362,7 +299,7 @@ class V4PagedModel(PagedModel):
 
         index = meta.last_token() if logit_index is None else logit_index
         logits = rowwise(head, tile, streams[index])
-        return logits.astype(jnp.float32), tuple(new_cache)
+        return logits.astype(jnp.float32), CompressedCache(**{k: tuple(v) for k, v in parts.items()})
 
     def _layer(
         self,
@@ -371,60 +308,40 @@ class V4PagedModel(PagedModel):
         index: int,
         streams: jax.Array,
         token_ids: jax.Array,
-        cache: dict[str, jax.Array],
+        cache: dict[str, list[Any]],
         meta: RaggedMeta,
         tile: int | None,
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """One decoder layer over the flat batch: ``streams [T, m, H]`` in and out, the layer's cache updated."""
+    ) -> jax.Array:
+        """One decoder layer over the flat batch: ``streams [T, m, H]`` in and out; the layer's parts of ``cache``
+        (lists of the :class:`CompressedCache` fields) are updated in place."""
         plan, numerics = self.plan, self.numerics
         hc = {"hc_eps": plan.hc_eps, "sinkhorn_iters": plan.hc_sinkhorn_iters, "norm_eps": plan.eps}
         p = lp["attn"]
         cos, sin = rope_cos_sin(meta.positions, spec.freqs())  # [T, rope_dim / 2]
         compressed = spec.kind != SLIDING
         sparse = spec.kind == CSA
+        kv_page, ik_page, ring, index_ring = self.slots[index]
 
-        def project(streams: jax.Array, cos: jax.Array, sin: jax.Array) -> dict[str, jax.Array]:
+        def project(streams: jax.Array, cos: jax.Array, sin: jax.Array) -> dict[str, Any]:
             mix = hc_mixes(streams, **lp["hc_attn"], **hc)
-            x = rms_norm(hc_collapse(streams, mix.pre), lp["attn_norm"], eps=plan.eps)[None]  # [1, t, H]
-            c, s = cos[None], sin[None]
-            t = x.shape[1]
-            q_res = rms_norm(linear(x, p["wq_a"], numerics), p["q_norm"], eps=spec.eps)
-            q = linear(q_res, p["wq_b"], numerics).reshape(1, t, spec.heads, spec.head_dim)
-            q = apply_rope(rms_norm(q, None, eps=spec.eps), c, s, rope_dim=spec.rope_dim)
-            kv = rms_norm(linear(x, p["wkv"], numerics), p["kv_norm"], eps=spec.eps)
-            kv = apply_rope(kv, c, s, rope_dim=spec.rope_dim)
-            out = {"post": mix.post, "comb": mix.comb, "q": q[0], "kv": kv[0]}
-            if compressed:
-                cp = p["compressor"]
-                out["a"] = linear(x, cp["wkv"], numerics, out_dtype=jnp.float32)[0]
-                out["g"] = linear(x, cp["wgate"], numerics, out_dtype=jnp.float32)[0]
-            if sparse:
-                ip = p["indexer"]
-                out["ia"] = linear(x, ip["compressor"]["wkv"], numerics, out_dtype=jnp.float32)[0]
-                out["ig"] = linear(x, ip["compressor"]["wgate"], numerics, out_dtype=jnp.float32)[0]
-                qi = linear(q_res, ip["wq_b"], numerics).reshape(1, t, spec.index_heads, spec.index_dim)
-                out["qi"] = kv_cast(apply_rope(qi, c, s, rope_dim=spec.rope_dim), spec.casts.indexer)[0]
-                scale = (spec.index_dim**-0.5) * (spec.index_heads**-0.5)
-                w = linear(x, ip["weights_proj"], numerics, out_dtype=jnp.float32)
-                out["w"] = (w.astype(x.dtype).astype(jnp.float32) * jnp.float32(scale))[0]
-            return out
+            x = rms_norm(hc_collapse(streams, mix.pre), lp["attn_norm"], eps=plan.eps)
+            pr = project_attention(p, x, cos, sin, spec, numerics)
+            return {"post": mix.post, "comb": mix.comb, **pr._asdict()}
 
         pr = rowwise(project, tile, streams, cos, sin)
         act = pr["q"].dtype
-        cache = dict(cache)
 
         # Window: this step's keys (as stored) or the slot's ring, for positions p - W + 1 .. p.
         stored_kv = self.window.encode(pr["kv"])
-        items, present = history(cache["window"], stored_kv, meta, spec.window)
-        cache["window"] = ring_write(cache["window"], stored_kv, meta, after=items)
+        items, present = history(cache["window"][index], stored_kv, meta, spec.window)
+        cache["window"][index] = ring_write(cache["window"][index], stored_kv, meta, after=items)
         scale = spec.head_dim**-0.5
 
         # Compressed entries completed by this step's tokens are written before anything reads them.
         if compressed:
-            cache["kv_ring"], cache["gate_ring"], cache["pages"] = self._compress(
-                cache["kv_ring"],
-                cache["gate_ring"],
-                cache["pages"],
+            cache["state"][ring], cache["kv"][kv_page] = self._compress(
+                cache["state"][ring],
+                cache["kv"][kv_page],
                 pr["a"],
                 pr["g"],
                 p["compressor"],
@@ -434,10 +351,9 @@ class V4PagedModel(PagedModel):
                 act,
             )
             if sparse:
-                cache["index_kv_ring"], cache["index_gate_ring"], cache["index_pages"] = self._compress(
-                    cache["index_kv_ring"],
-                    cache["index_gate_ring"],
-                    cache["index_pages"],
+                cache["state"][index_ring], cache["ik"][ik_page] = self._compress(
+                    cache["state"][index_ring],
+                    cache["ik"][ik_page],
                     pr["ia"],
                     pr["ig"],
                     p["indexer"]["compressor"],
@@ -448,18 +364,17 @@ class V4PagedModel(PagedModel):
                 )
 
         def attend(m: RaggedMeta, t: dict[str, jax.Array]) -> jax.Array:
-            """The read-only attention of tokens ``t`` (the window part, then the compressed part, sinks)."""
-            state = pw.attend_dense(t["q"], self.window.decode(t["items"], act), t["present"], scale=scale)
-            if sparse:
-                state = pw.merge_softmax(
-                    state, self._sparse_part(t["q"], t["qi"], t["w"], cache, spec, m, act)
+            """The read-only attention of tokens ``t``: window (stored keys), compressed entries, sinks."""
+            if compressed and not sparse:
+                # HCA: every visible entry, one page at a time, in the same online softmax as the window.
+                state = pw.attend_dense(
+                    t["q"], self.window.decode(t["items"], act), t["present"], scale=scale
                 )
-            elif compressed:
                 state = pw.merge_softmax(
                     state,
                     pw.paged_attend_all(
                         t["q"],
-                        cache["pages"],
+                        cache["kv"][kv_page],
                         m,
                         ratio=spec.ratio,
                         block_size=self.block_size,
@@ -468,7 +383,22 @@ class V4PagedModel(PagedModel):
                         decode=lambda e: self.compressed.decode(e, act),
                     ),
                 )
-            return pw.finish_softmax(state, p["sinks"]).astype(act)
+                return pw.finish_softmax(state, p["sinks"]).astype(act)
+            pages = slots = None
+            if sparse:
+                pages = cache["kv"][kv_page]
+                slots = self._select(t["qi"], t["w"], cache["ik"][ik_page], spec, m)
+            return get_op("v4_sparse_attention")(
+                t["q"],
+                t["items"],
+                t["present"],
+                p["sinks"],
+                pages,
+                slots,
+                scale=scale,
+                window_format=self.window.op_format,
+                compressed_format=self.compressed.op_format,
+            )
 
         token_inputs = {"q": pr["q"], "items": items, "present": present}
         if sparse:
@@ -497,13 +427,11 @@ class V4PagedModel(PagedModel):
             )[0]
             return hc_expand(streams, f, mix.post, mix.comb)
 
-        streams = rowwise(finish, tile, streams, attn, pr["post"], pr["comb"], token_ids, cos, sin)
-        return streams, cache
+        return rowwise(finish, tile, streams, attn, pr["post"], pr["comb"], token_ids, cos, sin)
 
     def _compress(
         self,
-        kv_ring: jax.Array,
-        gate_ring: jax.Array,
+        rings: tuple[jax.Array, jax.Array],
         pages: jax.Array,
         kv: jax.Array,
         gate: jax.Array,
@@ -512,7 +440,7 @@ class V4PagedModel(PagedModel):
         meta: RaggedMeta,
         store: KeyStore,
         act: Any,
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
         """Emit this step's complete entries of one compressor into ``pages``; advance its projection rings.
 
         ``kv``/``gate`` ``[T, F]`` are the step's float32 projections (gate without ``ape``). Only the tokens
@@ -523,6 +451,7 @@ class V4PagedModel(PagedModel):
         rotated by the compress RoPE to the window's first position and stored in ``store``'s format.
         """
         ratio = spec.ratio
+        kv_ring, gate_ring = rings
         depth, feats = kv_ring.shape[1], kv_ring.shape[2]
         width = feats // 2 if spec.kind == CSA else feats
         emitters = pw.emitting_tokens(meta, ratio)  # [E]
@@ -535,50 +464,82 @@ class V4PagedModel(PagedModel):
             hg = jnp.concatenate([hg[:, :ratio, :width], hg[:, ratio:, width:]], axis=1)
         # Padding emitters have no position at all: give them finite gates so no NaN is ever computed.
         hg = jnp.where(jnp.any(present, axis=1)[:, None, None], hg, 0.0)
-        pooled = get_op("v4_compressor_pool")(hk, hg).astype(act)  # [E, W]
-        normed = rms_norm(pooled, cp["norm"], eps=spec.eps)
         safe = jnp.clip(emitters, 0, meta.num_tokens - 1)
         first = ((meta.positions[safe] + 1) // ratio - 1) * ratio
         cos, sin = rope_cos_sin(first, spec.freqs())
-        entries = store.encode(apply_rope(normed, cos, sin, rope_dim=spec.rope_dim))
-        _, _, blocks, offsets = compressed_slots(meta, ratio, self.block_size, pages.shape[0])
-        target = blocks.at[emitters].get(mode="fill", fill_value=pages.shape[0])
-        pages = write_entries(pages, entries, target, offsets.at[emitters].get(mode="fill", fill_value=0))
-        kv_ring, gate_ring = ring_write((kv_ring, gate_ring), (kv, gate), meta, after=(hk, hg))
-        return kv_ring, gate_ring, pages
+        num_blocks = pages.shape[0]
+        _, _, blocks, offsets = compressed_slots(meta, ratio, self.block_size, num_blocks)
+        slots = page_rows(
+            blocks.at[emitters].get(mode="fill", fill_value=num_blocks),
+            offsets.at[emitters].get(mode="fill", fill_value=0),
+            self.block_size // ratio,
+            num_blocks,
+        )  # [E] flat page rows, -1 = nothing to write
+        if store.encodes_in_ops:
+            pages, _ = get_op("v4_compress_store")(
+                pages,
+                hk,
+                hg,
+                cp["norm"],
+                cos,
+                sin,
+                slots,
+                eps=spec.eps,
+                rope_dim=spec.rope_dim,
+                key_format=store.op_format,
+                entry_dtype=act,
+            )
+        else:
+            # Plain values with the mode's cast (a bfloat16 model over an unquantised cache): the cast sits
+            # between the RoPE and the store, so the pooling runs here and only the write is an op.
+            pooled = get_op("v4_compressor_pool")(hk, hg).astype(act)  # [E, W]
+            normed = rms_norm(pooled, cp["norm"], eps=spec.eps)
+            entries = store.op_values(apply_rope(normed, cos, sin, rope_dim=spec.rope_dim))
+            pages = get_op("kv_store_records")(pages, entries, slots, key_format=None)
+        rings = ring_write((kv_ring, gate_ring), (kv, gate), meta, after=(hk, hg))
+        return rings, pages
 
-    def _sparse_part(
+    def _select(
         self,
-        q: jax.Array,
         qi: jax.Array,
         weights: jax.Array,
-        cache: dict[str, jax.Array],
+        index_pages: jax.Array,
         spec: AttentionSpec,
         meta: RaggedMeta,
-        act: Any,
-    ) -> pw.SoftmaxState:
-        """CSA: the lightning indexer's ``index_topk`` entries of each token, attended (a softmax part).
+    ) -> jax.Array:
+        """CSA: the lightning indexer's ``index_topk`` entries of each token as flat rows of the layer's pages.
 
-        Indexer keys are scored page by page (op ``v4_indexer_scores``, one token against its own page per
-        call), the scores rounded to the mode's score dtype; the best visible entries are then gathered by
-        compressed index, so only ``k`` entries per token ever take full head width.
+        Op ``v4_indexer_topk`` scores the indexer keys in their stored format, streaming over the pages (scores
+        materialised in the mode's score dtype, ties to the lower entry); :func:`entry_slots` turns the selected
+        compressed indices into page rows (``-1``: none), which ``v4_sparse_attention`` reads directly.
         """
-        score_op = get_op("v4_indexer_scores")
-
-        def score(entries: jax.Array) -> jax.Array:
-            keys = self.indexer.decode(entries, act)  # [T, K, Di]
-            return score_op(qi[:, None], keys, weights[:, None])[:, 0]
-
-        scores = pw.paged_scores(
-            cache["index_pages"],
-            meta,
-            score,
-            ratio=spec.ratio,
-            block_size=self.block_size,
-            dtype=spec.score_dtype,
-            chunk=self.walk_chunk,
+        limit = jnp.where(meta.valid, (meta.positions + 1) // spec.ratio, 0)  # visible entries
+        index = get_op("v4_indexer_topk")(
+            qi,
+            weights,
+            index_pages,
+            meta.block_tables,
+            meta.row,
+            limit,
+            k=spec.index_topk,
+            key_format=self.indexer.op_format,
+            score_dtype=spec.score_dtype,
         )
-        index = pw.topk_entries(scores, spec.index_topk)
-        stored = gather_entries(cache["pages"], meta, index, spec.ratio, self.block_size)
-        keys = self.compressed.decode(stored, act)
-        return pw.attend_dense(q, keys, index >= 0, scale=spec.head_dim**-0.5)
+        return entry_slots(
+            index,
+            meta.block_tables,
+            meta.row,
+            entries_per_block=self.block_size // spec.ratio,
+            valid=meta.valid,
+        )
+
+
+def cache_storage(dtype: str, kv_cache_dtype: str = "auto") -> str:
+    """The key storage for precision ``dtype`` and the ``kv_cache_dtype`` setting (``ValueError`` naming the
+    value and the choices)."""
+    return key_cache_storage("deepseek_v4", dtype, kv_cache_dtype)
+
+
+def paged_model(model: Any, *, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> V4PagedModel:
+    """The engine's view of a loaded V4 model (``load_model``'s result)."""
+    return V4PagedModel.create(model, block_size=block_size, dtype=dtype, cache_dtype=kv_cache_dtype)

@@ -1,4 +1,4 @@
-"""The DeepSeek-V4.1 cached path (``engine/paged_v41.py``) against the model's own full-prefix forward.
+"""The DeepSeek-V4.1 cached path (``models/deepseek_v4/paged_v41.py``) against its own full-prefix forward.
 
 The reference for every check is ``forward_logits`` over the whole sequence (``Model.logits``), which keeps every
 key of the prefix in memory; the paged path keeps window rings, C2 pending projections and Engram history in
@@ -25,16 +25,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import deepinfer_jax
+from deepinfer_jax.cache.plan import plan_memory
 from deepinfer_jax.cache.ragged import RaggedMeta, make_meta
 from deepinfer_jax.cache.record_bytes import record_bytes
 from deepinfer_jax.checkpoint.model_loading import Model
 from deepinfer_jax.config.model import ModelConfig
-from deepinfer_jax.engine.llm import LLM
-from deepinfer_jax.engine.paged_model import plan_memory
-from deepinfer_jax.engine.paged_v41 import V41PagedModel
-from deepinfer_jax.engine.params import SamplingParams
 from deepinfer_jax.models.builtin import hf_config
 from deepinfer_jax.models.deepseek_v4 import family_v41, v41_model
+from deepinfer_jax.models.deepseek_v4.paged_v41 import V41PagedModel
 from deepinfer_jax.models.registry import get_family
 from deepinfer_jax.numerics.activation import CastPolicy
 
@@ -186,9 +184,9 @@ def test_layout_counts_only_owning_layers(model):
 
 
 def test_production_layout_uses_the_record_formats(model):
-    """``cache_dtype="bfloat16"`` stores encoded records: sizes from ``cache.record_bytes`` (MXFP8 window,
+    """``cache_dtype="quantized"`` stores encoded records: sizes from ``cache.record_bytes`` (MXFP8 window,
     FP4 + E4M3/16 compressed, MXFP4 indexer at head_dim 128 / index_head_dim 128)."""
-    paged = V41PagedModel.create(model, block_size=BLOCK, dtype="float32", cache_dtype="bfloat16")
+    paged = V41PagedModel.create(model, block_size=BLOCK, dtype="float32", cache_dtype="quantized")
     rec = record_bytes(model.config)
     assert rec == {"window": 128 + 4, "compressed": 64 + 8, "indexer": 64 + 4}
     lay = paged.layout()
@@ -198,7 +196,10 @@ def test_production_layout_uses_the_record_formats(model):
     cache = paged.init_cache(4, 2)
     assert sum(x.nbytes for x in jax.tree.leaves(cache) if x.shape[0] == 4) == 4 * lay.bytes_per_block
     plan = plan_memory(lay, 10 * lay.bytes_per_block + 2 * lay.bytes_per_slot, num_slots=2)
-    assert plan.spec.num_blocks == 10 and "records (window e4m3 + ue8m0 scales per 32" in plan.describe()
+    assert (
+        plan.spec.num_blocks == 10
+        and "records (window MXFP8 (e4m3 + ue8m0 scales per 32) 132 B" in plan.describe()
+    )
 
 
 def test_bad_arguments_are_refused(model):
@@ -209,7 +210,7 @@ def test_bad_arguments_are_refused(model):
     with pytest.raises(ValueError, match="cache_dtype: 'fp8'"):
         V41PagedModel.create(model, block_size=16, dtype="float32", cache_dtype="fp8")
     with pytest.raises(ValueError, match="assembled in 'float32'"):
-        V41PagedModel.create(model, block_size=16, dtype="bfloat16", cache_dtype="bfloat16")
+        V41PagedModel.create(model, block_size=16, dtype="bfloat16", cache_dtype="quantized")
 
 
 # ------------------------------------------------------------------------------- equality with full
@@ -348,7 +349,7 @@ def dense_model():
 
 
 def test_dense_compressed_nonshifted_variant_with_production_records(dense_model):
-    """``cache_dtype="bfloat16"`` stores encoded records; what every step reads back (the writing step included)
+    """``cache_dtype="quantized"`` stores encoded records; what every step reads back (the writing step included)
     is exactly the round trip the model applies, so the paged path equals the full forward with those round
     trips switched on."""
     model, static, seqs = dense_model
@@ -356,7 +357,7 @@ def test_dense_compressed_nonshifted_variant_with_production_records(dense_model
         static=static,
         block_size=BLOCK,
         dtype="float32",
-        cache_dtype="bfloat16",
+        cache_dtype="quantized",
         head_dim=128,
         index_head_dim=128,
         use_fp4=True,
@@ -370,7 +371,7 @@ def test_dense_compressed_nonshifted_variant_with_production_records(dense_model
     drv.check([(a, 30), (b, 17)])
     while a.cached < len(a.tokens):
         drv.check([(a, 1)])
-    window, pages = drv.cache["window"][0], drv.cache["kv"][0]
+    window, pages = drv.cache.window[0], drv.cache.kv[0]
     assert window.dtype == jnp.uint8 and window.shape[-1] == 128 + 4  # MXFP8: 128 codes, 4 UE8M0 scales
     assert pages.dtype == jnp.uint8 and pages.shape[1:] == (
         BLOCK // 2,
@@ -406,87 +407,3 @@ def test_temporary_memory_does_not_gather_the_context(model):
     forward = jax.jit(lambda p, c, ids, m: paged.forward(p, c, ids, m, tile=None), donate_argnums=1)
     analysis = forward.lower(model.params, cache, i32(rows), meta).compile().memory_analysis()
     assert analysis.temp_size_in_bytes < 40 * 2**20, analysis.temp_size_in_bytes
-
-
-# ------------------------------------------------------------------------------------ the real engine
-
-
-# One block of 16 tokens: 40 compressed + 40 indexer entries x 128 float32 = 40960 B; one slot: 7 windows of
-# 16 x 128 float32, the C2 pair state and the Engram ids = 59400 B; the sampling state of 9 slots x 4 B x
-# (1 + 512) = 18468 B. 8 blocks (7 usable, 112 tokens) are fewer than 8 sequences in flight need here.
-MEMORY = 8 * 40960 + 9 * 59400 + 9 * 4 * 513
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(
-        "tiny-v41",
-        dtype="float32",
-        max_num_seqs=8,
-        max_num_batched_tokens=16,  # one bucket (16 tokens, 8 rows): one compilation
-        kv_cache_memory=MEMORY,
-        **{"cache.block_size": 16},
-    )
-
-
-def _requests() -> tuple[list[list[int]], list[SamplingParams]]:
-    rng = np.random.default_rng(11)
-    lengths = [3, 17, 40, 1, 9, 25, 33, 5, 12, 2, 44, 7, 20, 15, 30, 4]
-    prompts = [rng.integers(3, 512, n).tolist() for n in lengths]
-    params = [SamplingParams(temperature=0.0, max_tokens=4 + i % 5, ignore_eos=True) for i in range(16)]
-    return prompts, params
-
-
-def test_engine_plan_and_greedy_generation(llm, model):
-    """Through ``LLM``: the memory plan, greedy tokens equal to greedy decoding by full forwards, a batch of 16
-    mixed-length requests (which preempts) equal to each request alone, and no recompilation."""
-    spec = llm.memory_plan.spec
-    assert spec.num_blocks == 8 and spec.layout.bytes_per_block == 40960
-    assert "window ring" in llm.memory_plan.describe()
-    prompts, params = _requests()
-    batch = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    assert sum(o.metrics.num_preemptions for o in batch) > 0, "the small cache must force preemption"
-    compiled = llm.executor.compile_count
-    assert compiled == 1
-    # Greedy by repeated full forwards = one full forward over prompt + output checked position by position
-    # (causality: the logits at a position depend on the tokens up to it only).
-    full = [p + o.outputs[0].token_ids for p, o in zip(prompts, batch, strict=True)]
-    refs = reference_logits(model, [np.asarray(f) for f in full], SHORT)
-    for i, (p, o, ref) in enumerate(zip(prompts, batch, refs, strict=True)):
-        got = o.outputs[0].token_ids
-        assert len(got) == params[i].max_tokens
-        assert got == [int(np.argmax(ref[len(p) - 1 + k])) for k in range(len(got))], f"request {i}"
-    for i in range(16):
-        alone = llm.generate(prompt_token_ids=[prompts[i]], sampling_params=params[i], use_tqdm=False)[0]
-        assert alone.outputs[0].token_ids == batch[i].outputs[0].token_ids, f"request {i}"
-    assert llm.executor.compile_count == compiled, "the steady state must not recompile"
-
-
-def test_memory_lines_name_the_record_kinds(llm):
-    text = llm.memory_plan.describe()
-    for kind in ("window ring", "compressed keys", "indexer keys", "C2 pending state", "Engram history"):
-        assert kind in text, kind
-    assert isinstance(llm.paged_model, V41PagedModel)
-
-
-def test_prompt_logprobs_through_the_paged_forward(llm, model):
-    """``prompt_logprobs`` on V4.1: the step asks the paged forward for every token's logits (``logit_index``);
-    across two 16-token prefill chunks they equal the log-softmax of the full forward (2e-5 of the largest logit,
-    as above, plus the log-softmax's own rounding)."""
-    prompt = np.random.default_rng(3).integers(3, 512, 27).tolist()
-    out = llm.generate(
-        prompt_token_ids=[prompt],
-        sampling_params=SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2),
-        use_tqdm=False,
-    )[0]
-    [ref] = reference_logits(model, [np.asarray(prompt)], SHORT)
-    ref = np.asarray(ref, np.float64)
-    logp = ref - ref.max(-1, keepdims=True)
-    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
-    tol = 2e-5 * float(np.abs(ref).max()) + 1e-5
-    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
-    for i in range(1, len(prompt)):
-        entry = out.prompt_logprobs[i]
-        assert abs(entry[prompt[i]].logprob - logp[i - 1, prompt[i]]) <= tol, i
-        top = int(np.argmax(logp[i - 1]))
-        assert top in entry and abs(entry[top].logprob - logp[i - 1, top]) <= tol, i

@@ -23,14 +23,20 @@ Within a step the values a source layer produces for its consumers travel in :cl
 hidden of this step's tokens, the pre-RoPE ``P`` of the entries emitted in this step (for the indexer keys), the
 top-k selection as compressed indices ``[T, k]`` and the candidate-block mask ``[T, NB]``.
 
-Temporary memory follows what each token reads: its window ``[T, W, D]``, its ``k`` selected entries
-``[T, k, D]`` (gathered by index), and the indexer keys or compressed keys one page at a time while scoring or
-attending to every visible entry (:mod:`deepinfer_jax.cache.paged_walk`). Only the scores ``[T, entries]`` of the
-whole context are materialised, never its keys.
+The hot paths are registry ops (the engine's op selection picks their implementations): window and selected
+entries through ``v4_sparse_attention`` over the stored records, ``Sel(p)`` of index sources through the
+streaming ``v4_indexer_topk`` (the candidate source, which needs its whole score row for ``Cand(p)``, scores one
+page at a time with ``v4_indexer_scores``), compressed entries through ``v4_compress_store`` (ratio 2) or
+``kv_store_records`` (C1, indexer keys), the mHC Sinkhorn through ``mhc_sinkhorn``.
+
+Temporary memory follows what each token reads: its window ``[T, W, ...]``, its ``k`` selected entries, and the
+indexer keys or compressed keys one page at a time while scoring or attending to every visible entry
+(:mod:`deepinfer_jax.cache.paged_walk`). Only score rows are materialised, never the keys of the context: the
+streaming indexer's running top-k and one chunk, and the candidate source's ``[T, entries]``.
 
 Numerics are the model's: the projections, pooling op, indexer query and scores, candidate blocks, sink softmax,
 grouped output projection, mHC, Engram and MoE are the model modules' own functions, so in float32 parity mode
-each row's logits equal the full forward's up to float32 reassociation. ``cache_dtype="bfloat16"`` stores the
+each row's logits equal the full forward's up to float32 reassociation. ``cache_dtype="quantized"`` stores the
 production formats of ``ARCHITECTURE.md`` §8 as encoded records (``uint8``; MXFP8 window, FP4 or MXFP8
 compressed, MXFP4 indexer keys, :mod:`deepinfer_jax.numerics.kv_records`), and every reader -- the step that
 wrote a key as well as later ones -- uses the decoded value.
@@ -58,12 +64,12 @@ from deepinfer_jax.cache.paged_walk import (
 from deepinfer_jax.cache.ragged import (
     RaggedMeta,
     compressed_slots,
-    gather_entries,
     history,
+    page_rows,
     ring_write,
-    write_entries,
+    rowwise_meta,
 )
-from deepinfer_jax.engine.paged_model import CacheLayout, PagedModel, rowwise, rowwise_meta, zeros
+from deepinfer_jax.cache.stores import CompressedCache, KeyStore, key_cache_storage, key_store
 from deepinfer_jax.models.common.embedding import embed_tokens, lm_head
 from deepinfer_jax.models.common.linear import LinearNumerics, linear
 from deepinfer_jax.models.deepseek_v4 import family_v41
@@ -79,71 +85,18 @@ from deepinfer_jax.models.deepseek_v4.v41_compressor import (
     indexer_keys,
     indexer_query,
     indexer_scores,
-    restrict_to_candidates,
 )
 from deepinfer_jax.models.deepseek_v4.v41_model import V41Static, moe_layer
-from deepinfer_jax.numerics.activation import kv_cast
-from deepinfer_jax.numerics.formats import (
-    RecordFormat,
-    compressed_record_format,
-    indexer_record_format,
-    window_record_format,
-)
-from deepinfer_jax.numerics.kv_records import decode_records, encode_records
+from deepinfer_jax.models.paged import CacheLayout, PagedModel
 from deepinfer_jax.ops import apply_rope, rms_norm, rope_cos_sin
 from deepinfer_jax.ops import get as get_op
+from deepinfer_jax.ops.sparse_attention import entry_slots
+from deepinfer_jax.ops.tiling import rowwise, rowwise_carry
 
-__all__ = ["V41PagedModel"]
+__all__ = ["V41PagedModel", "cache_storage", "paged_model"]
 
 Params = Mapping[str, Any]
-_CACHE_DTYPES = ("float32", "bfloat16")
 _MODES = ("float32", "bfloat16")
-
-
-# ------------------------------------------------------------------------------------------- storage
-
-
-@dataclasses.dataclass(frozen=True)
-class _Store:
-    """How one kind of key is kept: unquantised float32 values, or encoded records of a production format.
-
-    ``get`` decodes exactly what ``put`` stored, and every reader goes through it (:meth:`store`).
-    """
-
-    width: int
-    fmt: RecordFormat | None
-
-    @property
-    def item_shape(self) -> tuple[int, ...]:
-        return (self.width,) if self.fmt is None else (self.fmt.record_bytes,)
-
-    @property
-    def item_dtype(self) -> Any:
-        return jnp.float32 if self.fmt is None else jnp.uint8
-
-    @property
-    def item_bytes(self) -> int:
-        return self.width * 4 if self.fmt is None else self.fmt.record_bytes
-
-    def put(self, values: jax.Array) -> jax.Array:
-        if self.fmt is None:
-            return values.astype(jnp.float32)
-        return encode_records(values.astype(jnp.float32), self.fmt)
-
-    def get(self, stored: jax.Array, dtype: Any) -> jax.Array:
-        if self.fmt is None:
-            return stored.astype(dtype)
-        return decode_records(stored, self.fmt, dtype=dtype)
-
-    def store(self, values: jax.Array, cast: str) -> jax.Array:
-        """What to store for new keys ``values``; every reader, the writing step included, reads it back with
-        :meth:`get`.
-
-        Unquantised storage keeps the model's own cast of the keys (``cast``; ``"none"`` in parity mode).
-        Records are encoded from ``values`` once: the record format *is* the production cast, so a key read
-        back in a later step equals the one the writing step attended to, bit for bit.
-        """
-        return self.put(values if self.fmt is not None else kv_cast(values, cast).astype(values.dtype))
 
 
 # ------------------------------------------------------------------------------------- per-step cross
@@ -165,14 +118,6 @@ class _StepCross(NamedTuple):
     pre_rope: jax.Array | None = None
     selection: jax.Array | None = None
     candidates: jax.Array | None = None
-
-
-def _describe(store: _Store) -> str:
-    """A record format in words, e.g. ``"e2m1 + e4m3 scales per 16"``."""
-    fmt = store.fmt
-    if fmt is None:
-        return "float32"
-    return f"{fmt.element} + {fmt.scale} scales per {fmt.group_size}"
 
 
 def _at(values: jax.Array, index: jax.Array, fill: Any = 0) -> jax.Array:
@@ -199,7 +144,8 @@ class V41PagedModel(PagedModel):
         block_size: tokens per cache block (a multiple of every compress ratio: a page holds ``block / r``
             compressed entries).
         dtype: the precision mode, ``"float32"`` (parity) or ``"bfloat16"`` (production).
-        cache_dtype: ``"float32"`` (unquantised float32 keys) or ``"bfloat16"`` (the production record formats).
+        cache_dtype: ``"float32"`` / ``"bfloat16"`` (unquantised keys of that dtype) or ``"quantized"`` (the
+            production record formats).
         head_dim, index_head_dim, use_fp4: the cache widths and the compressed format.
     """
 
@@ -217,15 +163,13 @@ class V41PagedModel(PagedModel):
 
         Raises:
             TypeError: ``block_size`` is not an int.
-            ValueError: a ``dtype`` / ``cache_dtype`` outside ``("float32", "bfloat16")``, parameters assembled
+            ValueError: a ``dtype`` outside ``("float32", "bfloat16")``, a ``cache_dtype`` outside ``("auto",
+                "float32", "bfloat16", "quantized")``, parameters assembled
                 in another precision mode, or a ``block_size`` that some compress ratio does not divide.
         """
         if dtype not in _MODES:
             raise ValueError(f"dtype: {dtype!r} is not a precision mode; expected one of {_MODES}")
-        if cache_dtype not in _CACHE_DTYPES:
-            raise ValueError(
-                f"cache_dtype: {cache_dtype!r} is not supported; expected one of {_CACHE_DTYPES}"
-            )
+        cache_dtype = key_cache_storage("deepseek_v41", dtype, cache_dtype)
         cfg = model.config
         mode = family_v41.precision_mode(model.params)
         if mode != dtype:
@@ -289,18 +233,27 @@ class V41PagedModel(PagedModel):
 
     @property
     def production(self) -> bool:
-        return self.cache_dtype == "bfloat16"
+        return self.cache_dtype == "quantized"
 
-    def window_store(self) -> _Store:
-        return _Store(self.head_dim, window_record_format(self.head_dim) if self.production else None)
+    def _store(self, kind: str, width: int, cast: str) -> KeyStore:
+        # Unquantised keys keep the mode's own round trip, applied before they are stored.
+        return key_store(kind, width, self.cache_dtype, cast=cast, use_fp4=self.use_fp4)
 
-    def compressed_store(self) -> _Store:
-        fmt = compressed_record_format(self.head_dim, use_fp4=self.use_fp4) if self.production else None
-        return _Store(self.head_dim, fmt)
+    @functools.cached_property
+    def window_store(self) -> KeyStore:
+        return self._store("window", self.head_dim, self.static.casts.window_keys)
 
-    def indexer_store(self) -> _Store:
-        fmt = indexer_record_format(self.index_head_dim) if self.production and self.index_k_sources else None
-        return _Store(self.index_head_dim, fmt)
+    @functools.cached_property
+    def compressed_store(self) -> KeyStore:
+        return self._store("compressed", self.head_dim, self.static.casts.compressed_keys)
+
+    @functools.cached_property
+    def indexer_store(self) -> KeyStore:
+        if (
+            not self.index_k_sources
+        ):  # a model without indexer keys stores none; the placeholder is never read
+            return KeyStore(self.index_head_dim, "float32")
+        return self._store("indexer", self.index_head_dim, self.static.casts.indexer)
 
     def _ratio(self, layer: int) -> int:
         return self.layers[layer].ratio
@@ -308,7 +261,7 @@ class V41PagedModel(PagedModel):
     # ---------------------------------------------------------------------------------- memory plan
 
     def layout(self) -> CacheLayout:
-        wnd, cmp, idx = self.window_store(), self.compressed_store(), self.indexer_store()
+        wnd, cmp, idx = self.window_store, self.compressed_store, self.indexer_store
         kv_block = sum((self.block_size // self._ratio(s)) * cmp.item_bytes for s in self.kv_sources)
         ik_block = sum((self.block_size // self._ratio(s)) * idx.item_bytes for s in self.index_k_sources)
         num_layers = len(self.layers)
@@ -316,25 +269,25 @@ class V41PagedModel(PagedModel):
         pending_slot = sum(2 * self._ratio(s) * self.head_dim * 4 for s in self.pending_sources)
         engram_slot = self.engram_depth * 4
         if self.production:
-            kinds = [f"window {_describe(wnd)}", f"compressed {_describe(cmp)}"]
-            kinds += [f"indexer {_describe(idx)}"] if self.index_k_sources else []
+            kinds = [f"window {wnd.describe()}", f"compressed {cmp.describe()}"]
+            kinds += [f"indexer {idx.describe()}"] if self.index_k_sources else []
             dtype = f"records ({', '.join(kinds)})"
         else:
-            dtype = "float32"
+            dtype = self.cache_dtype
 
         def owners(layers: tuple[int, ...]) -> str:
             ratios = sorted({self._ratio(s) for s in layers})
             return f"{len(layers)} owning layer(s) {list(layers)}, ratio(s) {ratios}"
 
         lines = [
-            f"window ring: {self.window} positions x {wnd.item_bytes} B ({_describe(wnd)}, {self.head_dim} values) per layer, "
+            f"window ring: {self.window} positions x {wnd.item_bytes} B ({wnd.describe()}, {self.head_dim} values) per layer, "
             f"{num_layers} layers (every layer owns its window) = {window_slot} B per slot",
-            f"compressed keys: {cmp.item_bytes} B per entry ({_describe(cmp)}, {self.head_dim} values), block / ratio entries per "
+            f"compressed keys: {cmp.item_bytes} B per entry ({cmp.describe()}, {self.head_dim} values), block / ratio entries per "
             f"page, {owners(self.kv_sources)} (consumers alias them) = {kv_block} B per block",
         ]
         if self.index_k_sources:
             lines.append(
-                f"indexer keys: {idx.item_bytes} B per entry ({_describe(idx)}, {self.index_head_dim} values), "
+                f"indexer keys: {idx.item_bytes} B per entry ({idx.describe()}, {self.index_head_dim} values), "
                 f"{owners(self.index_k_sources)} = {ik_block} B per block"
             )
         if self.pending_sources:
@@ -357,31 +310,22 @@ class V41PagedModel(PagedModel):
 
     # ---------------------------------------------------------------------------------------- cache
 
-    def init_cache(self, num_blocks: int, num_slots: int, sharding: Any = None) -> dict[str, Any]:
+    def init_cache(self, num_blocks: int, num_slots: int) -> CompressedCache:
         """Zeroed caches: window rings, compressed / indexer pages, C2 pending rings, Engram history."""
-        wnd, cmp, idx = self.window_store(), self.compressed_store(), self.indexer_store()
+        wnd, cmp, idx = self.window_store, self.compressed_store, self.indexer_store
 
-        def pages(store: _Store, layer: int) -> jax.Array:
-            shape = (num_blocks, self.block_size // self._ratio(layer), *store.item_shape)
-            return zeros(shape, store.item_dtype, sharding)
+        def pending(layer: int) -> tuple[jax.Array, jax.Array]:
+            return tuple(
+                jnp.zeros((num_slots, self._ratio(layer), self.head_dim), jnp.float32) for _ in range(2)
+            )
 
-        cache: dict[str, Any] = {
-            "window": tuple(
-                zeros((num_slots, self.window, *wnd.item_shape), wnd.item_dtype, sharding)
-                for _ in self.layers
-            ),
-            "kv": tuple(pages(cmp, s) for s in self.kv_sources),
-            "ik": tuple(pages(idx, s) for s in self.index_k_sources),
-            "pending": tuple(
-                tuple(
-                    zeros((num_slots, self._ratio(s), self.head_dim), jnp.float32, sharding) for _ in range(2)
-                )
-                for s in self.pending_sources
-            ),
-        }
-        if self.engram_depth:
-            cache["engram"] = zeros((num_slots, self.engram_depth), jnp.int32, sharding)
-        return cache
+        return CompressedCache(
+            window=tuple(wnd.zeros(num_slots, self.window) for _ in self.layers),
+            kv=tuple(cmp.zeros(num_blocks, self.block_size // self._ratio(s)) for s in self.kv_sources),
+            ik=tuple(idx.zeros(num_blocks, self.block_size // self._ratio(s)) for s in self.index_k_sources),
+            state=tuple(pending(s) for s in self.pending_sources),
+            engram=jnp.zeros((num_slots, self.engram_depth), jnp.int32) if self.engram_depth else None,
+        )
 
     # -------------------------------------------------------------------------------------- forward
 
@@ -400,11 +344,8 @@ class V41PagedModel(PagedModel):
         st = self.static
         if len(params["layers"]) != len(self.layers):
             raise ValueError(f"params: {len(params['layers'])} layers, the plan has {len(self.layers)}")
-        cache = dict(cache)
-        cache["window"] = list(cache["window"])
-        cache["kv"] = list(cache["kv"])
-        cache["ik"] = list(cache["ik"])
-        cache["pending"] = list(cache["pending"])
+        engram_ring = cache.engram
+        cache = {name: list(getattr(cache, name)) for name in ("window", "kv", "ik", "state")}
         tokens = meta.num_tokens
         m = st.hc_mult
         x = embed_tokens(params["embed"], token_ids, dtype=jnp.dtype(st.dtype))
@@ -412,7 +353,7 @@ class V41PagedModel(PagedModel):
         carried_pre = jnp.broadcast_to(jax.nn.one_hot(0, m, dtype=jnp.float32), (tokens, m))
         grams = None
         if st.engram is not None:
-            grams, cache["engram"] = self._engram_ngrams(params, token_ids, cache["engram"], meta)
+            grams, engram_ring = self._engram_ngrams(params, token_ids, engram_ring, meta)
         cross = _StepCross()
         for lp, spec, p in zip(self.layers, st.attention, params["layers"], strict=True):
             if lp.has_engram:
@@ -440,11 +381,7 @@ class V41PagedModel(PagedModel):
             return lm_head(rms_norm(h, params["norm"], eps=st.eps), params["head"])
 
         logits = rowwise(head, tile, streams[last], carried_pre[last])
-        cache["window"] = tuple(cache["window"])
-        cache["kv"] = tuple(cache["kv"])
-        cache["ik"] = tuple(cache["ik"])
-        cache["pending"] = tuple(cache["pending"])
-        return logits, cache
+        return logits, CompressedCache(**{k: tuple(v) for k, v in cache.items()}, engram=engram_ring)
 
     # ---------------------------------------------------------------------------------------- Engram
 
@@ -518,13 +455,13 @@ class V41PagedModel(PagedModel):
         if lp.captures_shared_hidden:
             cross = cross._replace(shared_hidden=x_hat)
 
-        # Window keys (§7.2): this step's keys, read back in the window format, then the row's last W stored.
-        wnd = self.window_store()
-        new = wnd.store(kv, spec.casts.window_keys)
+        # Window keys (§7.2): this step's keys as stored (records or values), then the row's last W stored. The
+        # attention ops read them in their stored format.
+        wnd = self.window_store
+        new = wnd.encode(kv)
         ring = cache["window"][lp.layer]
         stored, present = history(ring, new, meta, spec.window)
         cache["window"][lp.layer] = ring_write(ring, new, meta, after=stored)
-        window_keys = wnd.get(stored, x_hat.dtype)  # [T, W, D]
 
         scale = spec.head_dim**-0.5
         # Batch-invariant mode runs the attention in fixed tiles too (rowwise_meta): its contractions are
@@ -532,25 +469,25 @@ class V41PagedModel(PagedModel):
         if not lp.is_compressed:
 
             def window_only(m: RaggedMeta, t: tuple[jax.Array, ...]) -> jax.Array:
-                qq, keys, mask = t
-                return get_op("v4_sink_attention")(qq[:, None], keys, mask[:, None], a["sinks"], scale=scale)[
-                    :, 0
-                ]
+                qq, window, mask = t
+                return get_op("v4_sparse_attention")(
+                    qq, window, mask, a["sinks"], scale=scale, window_format=wnd.op_format
+                )
 
-            out = rowwise_meta(window_only, tile, meta, (q, window_keys, present))
+            out = rowwise_meta(window_only, tile, meta, (q, stored, present))
         else:
             if lp.is_kv_source or lp.is_index_k_source:
                 cross, cache = self._compressed_writes(p, lp, spec, x_hat, cross, cache, meta, tile)
 
             def compressed(m: RaggedMeta, t: tuple[Any, ...]) -> tuple[Any, ...]:
-                xh, ql, qq, keys, mask, selection, candidates = t
+                xh, ql, qq, window, mask, selection, candidates = t
                 local = cross._replace(selection=selection, candidates=candidates)
                 o, local = self._compressed_attention(
-                    p, lp, spec, xh, ql, qq, keys, mask, local, cache, m, None
+                    p, lp, spec, xh, ql, qq, window, mask, local, cache, m, None
                 )
                 return o, local.selection, local.candidates
 
-            token_inputs = (x_hat, q_latent, q, window_keys, present, cross.selection, cross.candidates)
+            token_inputs = (x_hat, q_latent, q, stored, present, cross.selection, cross.candidates)
             out, selection, candidates = rowwise_meta(compressed, tile, meta, token_inputs)
             cross = cross._replace(selection=selection, candidates=candidates)
 
@@ -576,7 +513,11 @@ class V41PagedModel(PagedModel):
         meta: RaggedMeta,
         tile: int | None,
     ) -> tuple[_StepCross, dict[str, Any]]:
-        """A KV source's new compressed keys and an index-K source's new indexer keys, written to their pages."""
+        """A KV source's new compressed keys and an index-K source's new indexer keys, written to their pages.
+
+        Every write goes through a store op: ``v4_compress_store`` (pooling to records, ratio-2 sources) or
+        ``kv_store_records`` (C1 keys, indexer keys), at the flat page row of each emitted entry.
+        """
         ratio, freqs = spec.ratio, spec.freqs()
         emitted = emitting_tokens(meta, ratio) if lp.is_kv_source else cross.emitted
         if emitted is None:
@@ -585,11 +526,11 @@ class V41PagedModel(PagedModel):
             )
         entry_pos = _at(meta.positions, emitted)  # [E] the emitting token's position p = (c + 1)·r − 1
         entry_rope = (entry_pos + 1 - ratio).astype(jnp.int32)  # c·r: the entry's first position
-        _, _, blocks, offsets = compressed_slots(
-            meta, ratio, self.block_size, jax.tree.leaves(cache["kv"])[0].shape[0]
-        )
-        blocks = _at(blocks, emitted, fill=jnp.iinfo(jnp.int32).max)
-        offsets = _at(offsets, emitted)
+        num_blocks = jax.tree.leaves(cache["kv"])[0].shape[0]
+        _, _, blocks, offsets = compressed_slots(meta, ratio, self.block_size, num_blocks)
+        slots = page_rows(
+            _at(blocks, emitted, fill=num_blocks), _at(offsets, emitted), self.block_size // ratio, num_blocks
+        )  # [E] flat page rows, -1 = nothing to write
 
         if lp.is_kv_source:
             u = x_hat
@@ -599,18 +540,20 @@ class V41PagedModel(PagedModel):
                         f"layer {lp.layer}: the YOCO shared hidden has not been produced in this step"
                     )
                 u = cross.shared_hidden
-            pre_rope = self._compress(p["attn"]["compressor"], lp, spec, u, emitted, cache, meta, tile)
-            cmp = self.compressed_store()
-            keys = rowwise(
-                lambda pr, er: cmp.store(
-                    _rotate_at(pr, er, freqs, spec.rope_dim), spec.casts.compressed_keys
-                ),
-                tile,
-                pre_rope,
-                entry_rope,
-            )
             slot = self.kv_sources.index(lp.layer)
-            cache["kv"][slot] = write_entries(cache["kv"][slot], keys, blocks, offsets)
+            cache["kv"][slot], pre_rope = self._compress(
+                p["attn"]["compressor"],
+                lp,
+                spec,
+                u,
+                emitted,
+                entry_rope,
+                slots,
+                cache["kv"][slot],
+                cache,
+                meta,
+                tile,
+            )
             cross = cross._replace(emitted=emitted, pre_rope=pre_rope)
 
         if lp.is_index_k_source:
@@ -619,6 +562,7 @@ class V41PagedModel(PagedModel):
                     f"layer {lp.layer}: no pre-RoPE compressed KV from layer {lp.kv_source} this step"
                 )
             ip = p["attn"]["indexer"]
+            idx = self.indexer_store
 
             def project(pr: jax.Array) -> jax.Array:
                 # Rotation at position 0 (an exact identity) and no cast: the entry's own RoPE and the
@@ -635,12 +579,13 @@ class V41PagedModel(PagedModel):
                 )[:, 0]
 
             def indexer_entry(pr: jax.Array, er: jax.Array) -> jax.Array:
-                rotated = _rotate_at(project(pr), er, freqs, spec.rope_dim)
-                return self.indexer_store().store(rotated, spec.casts.indexer)
+                return idx.op_values(_rotate_at(project(pr), er, freqs, spec.rope_dim))
 
             ki = rowwise(indexer_entry, tile, cross.pre_rope, entry_rope)
             slot = self.index_k_sources.index(lp.layer)
-            cache["ik"][slot] = write_entries(cache["ik"][slot], ki, blocks, offsets)
+            cache["ik"][slot] = get_op("kv_store_records")(
+                cache["ik"][slot], ki, slots, key_format=idx.op_format
+            )
         return cross, cache
 
     def _compress(
@@ -650,11 +595,21 @@ class V41PagedModel(PagedModel):
         spec: V41AttentionSpec,
         u: jax.Array,
         emitted: jax.Array,
+        entry_rope: jax.Array,
+        slots: jax.Array,
+        pages: jax.Array,
         cache: dict[str, Any],
         meta: RaggedMeta,
         tile: int | None,
-    ) -> jax.Array:
-        """``P [E, D]`` (pre-RoPE, normalised) of the entries the tokens ``emitted`` complete (§7.3)."""
+    ) -> tuple[jax.Array, jax.Array]:
+        """The entries the tokens ``emitted`` complete (§7.3), rotated to ``entry_rope`` and written at ``slots``:
+        ``(pages, P [E, D])`` with ``P`` the pre-RoPE normalised entries (the indexer keys' input)."""
+        cmp = self.compressed_store
+        freqs = spec.freqs()
+
+        def rotated(pr: jax.Array, er: jax.Array) -> jax.Array:
+            return cmp.op_values(_rotate_at(pr, er, freqs, spec.rope_dim))
+
         if lp.ratio == 1:
 
             def c1(v: jax.Array) -> jax.Array:
@@ -666,11 +621,13 @@ class V41PagedModel(PagedModel):
                     cp["norm"],
                     ratio=1,
                     eps=spec.eps,
-                    rope_freqs=spec.freqs(),
+                    rope_freqs=freqs,
                     rope_dim=spec.rope_dim,
                 ).pre_rope[:, 0]
 
-            return rowwise(c1, tile, _at(u, emitted))
+            pre_rope = rowwise(c1, tile, _at(u, emitted))
+            keys = rowwise(rotated, tile, pre_rope, entry_rope)
+            return get_op("kv_store_records")(pages, keys, slots, key_format=cmp.op_format), pre_rope
 
         dense = LinearNumerics()
 
@@ -682,17 +639,44 @@ class V41PagedModel(PagedModel):
 
         a, g = rowwise(projections, tile, u)
         slot = self.pending_sources.index(lp.layer)
-        ring = cache["pending"][slot]
+        ring = cache["state"][slot]
         (pa, pg), _ = history(ring, (a, g), meta, lp.ratio, index=emitted)  # [E, r, D] each
-        cache["pending"][slot] = ring_write(ring, (a, g), meta, after=(pa, pg))
+        cache["state"][slot] = ring_write(ring, (a, g), meta, after=(pa, pg))
 
-        def pool(pa: jax.Array, pg: jax.Array) -> jax.Array:
-            c = get_op("v4_compressor_pool")(pa, pg).astype(u.dtype)
-            return rms_norm(c, cp["norm"], eps=spec.eps, out_dtype=u.dtype)
+        if not cmp.encodes_in_ops:
+            # Plain values with the mode's cast (a bfloat16 model over an unquantised cache): the cast sits between
+            # the RoPE and the store, so the pooling runs here and only the write is an op.
+            def pool(pa: jax.Array, pg: jax.Array) -> jax.Array:
+                c = get_op("v4_compressor_pool")(pa, pg).astype(u.dtype)
+                return rms_norm(c, cp["norm"], eps=spec.eps, out_dtype=u.dtype)
 
-        # Per-entry work runs in the same fixed tiles as per-token work in batch-invariant mode: the entry count
-        # follows the step's token count, and XLA:CPU's per-row results may follow the array's size.
-        return rowwise(pool, tile, pa, pg)
+            pre_rope = rowwise(pool, tile, pa, pg)
+            keys = rowwise(rotated, tile, pre_rope, entry_rope)
+            return get_op("kv_store_records")(pages, keys, slots, key_format=None), pre_rope
+
+        cos, sin = rope_cos_sin(entry_rope, freqs)
+
+        def compress_store(
+            pages: jax.Array, pa: jax.Array, pg: jax.Array, cs: jax.Array, sn: jax.Array, rows: jax.Array
+        ) -> tuple[jax.Array, jax.Array]:
+            return get_op("v4_compress_store")(
+                pages,
+                pa,
+                pg,
+                cp["norm"],
+                cs,
+                sn,
+                rows,
+                eps=spec.eps,
+                rope_dim=spec.rope_dim,
+                key_format=cmp.op_format,
+                entry_dtype=u.dtype,
+            )
+
+        # Per-entry work runs in the same fixed tiles as per-token work in batch-invariant mode (the entry count
+        # follows the step's token count, and XLA:CPU's per-row results may follow the array's size); the tiles
+        # write the pages one after the other.
+        return rowwise_carry(compress_store, tile, pages, pa, pg, cos, sin, slots, fills=(0, 0, 0, 0, -1))
 
     # -------------------------------------------------------------------------- compressed attention
 
@@ -704,26 +688,27 @@ class V41PagedModel(PagedModel):
         x_hat: jax.Array,
         q_latent: jax.Array,
         q: jax.Array,
-        window_keys: jax.Array,
+        window: jax.Array,
         window_present: jax.Array,
         cross: _StepCross,
         cache: dict[str, Any],
         meta: RaggedMeta,
         tile: int | None,
     ) -> tuple[jax.Array, _StepCross]:
-        """Sink attention over the window plus the selected (or, without an indexer, all visible) entries."""
+        """Sink attention over the window (``window``: the stored keys) plus the selected (or, without an indexer,
+        all visible) entries."""
         ratio = spec.ratio
         a = p["attn"]
-        cmp = self.compressed_store()
+        wnd, cmp = self.window_store, self.compressed_store
         kv_pages = cache["kv"][self.kv_sources.index(lp.kv_source)]
         scale = spec.head_dim**-0.5
         if not lp.uses_indexer:
             # index_topk = 0: every visible compressed key, one page at a time, merged with the window.
             def body(i: Any, entries: jax.Array, index: jax.Array, visible: jax.Array, state: Any) -> Any:
-                keys = cmp.get(entries, x_hat.dtype)
+                keys = cmp.decode(entries, x_hat.dtype)
                 return merge_softmax(state, attend_dense(q, keys, visible, scale=scale))
 
-            state = attend_dense(q, window_keys, window_present, scale=scale)
+            state = attend_dense(q, wnd.decode(window, x_hat.dtype), window_present, scale=scale)
             state = walk_pages(kv_pages, meta, body, state, ratio=ratio, block_size=self.block_size)
             return finish_softmax(state, a["sinks"]).astype(q.dtype), cross
 
@@ -731,11 +716,25 @@ class V41PagedModel(PagedModel):
             cross = self._select(p, lp, spec, x_hat, q_latent, cross, cache, meta, tile)
         if cross.selection is None:
             raise ValueError(f"layer {lp.layer}: no top-k selection from layer {lp.index_source} this step")
-        index = cross.selection  # [T, k]
-        keys = cmp.get(gather_entries(kv_pages, meta, index, ratio, self.block_size), x_hat.dtype)
-        keys = jnp.concatenate([window_keys, keys.astype(window_keys.dtype)], axis=1)
-        mask = jnp.concatenate([window_present, (index >= 0) & meta.valid[:, None]], axis=1)
-        out = get_op("v4_sink_attention")(q[:, None], keys, mask[:, None], a["sinks"], scale=scale)[:, 0]
+        # The selected compressed indices [T, k] as flat rows of the KV source's pages (-1: none, padding).
+        slots = entry_slots(
+            cross.selection,
+            meta.block_tables,
+            meta.row,
+            entries_per_block=self.block_size // ratio,
+            valid=meta.valid,
+        )
+        out = get_op("v4_sparse_attention")(
+            q,
+            window,
+            window_present,
+            a["sinks"],
+            kv_pages,
+            slots,
+            scale=scale,
+            window_format=wnd.op_format,
+            compressed_format=cmp.op_format,
+        )
         return out, cross
 
     def _select(
@@ -750,7 +749,12 @@ class V41PagedModel(PagedModel):
         meta: RaggedMeta,
         tile: int | None,
     ) -> _StepCross:
-        """An index source's ``Sel(p)`` (and the candidate source's ``Cand(p)``), scoring one page at a time."""
+        """An index source's ``Sel(p)`` (and the candidate source's ``Cand(p)``).
+
+        Index sources other than the candidate source select with op ``v4_indexer_topk`` (streaming over the
+        pages: no score row of the whole context); the candidate source needs the block scores of the whole row
+        for ``Cand(p)``, so it scores one page at a time into ``[T, entries]`` and takes the top-k of that row.
+        """
         st = self.static
         ratio, ip = spec.ratio, p["attn"]["indexer"]
 
@@ -771,34 +775,61 @@ class V41PagedModel(PagedModel):
             return qi[0], wi[0]
 
         qi, wi = rowwise(query, tile, q_latent, x_hat, meta.positions)  # [T, Hi, Di], [T, Hi]
-        idx = self.indexer_store()
+        idx = self.indexer_store
         pages = cache["ik"][self.index_k_sources.index(lp.index_k_source)]
         score_dtype = jnp.dtype(spec.score_dtype)
 
+        if not lp.is_candidate_source:
+            candidates, block = None, None
+            if lp.is_candidate_consumer:
+                if cross.candidates is None:
+                    raise ValueError(
+                        f"layer {lp.layer}: no candidate blocks from layer {lp.candidate_source} this step"
+                    )
+                assert spec.candidate_block_size is not None
+                candidates, block = cross.candidates, spec.candidate_block_size
+            limit = jnp.where(meta.valid, (meta.positions + 1) // ratio, 0)  # visible entries (§7.4)
+            selection = get_op("v4_indexer_topk")(
+                qi,
+                wi,
+                pages,
+                meta.block_tables,
+                meta.row,
+                limit,
+                k=spec.index_topk,
+                key_format=idx.op_format,
+                score_dtype=score_dtype,
+                candidates=candidates,
+                candidate_block_size=block,
+            )
+            return cross._replace(selection=selection)
+
         def score(entries: jax.Array) -> jax.Array:
-            keys = idx.get(entries, qi.dtype)  # [T, E, Di]
+            keys = idx.decode(entries, qi.dtype)  # [T, E, Di]
             return indexer_scores(qi[:, None], keys, wi[:, None], score_dtype=score_dtype)[:, 0]
 
         scores = paged_scores(pages, meta, score, ratio=ratio, block_size=self.block_size, dtype=score_dtype)
         num = scores.shape[-1]
         allowed = visible_entries(meta.positions, ratio, num) & meta.valid[:, None]
-        if lp.is_candidate_consumer:
-            if cross.candidates is None:
-                raise ValueError(
-                    f"layer {lp.layer}: no candidate blocks from layer {lp.candidate_source} this step"
-                )
-            assert spec.candidate_block_size is not None
-            allowed = allowed & restrict_to_candidates(cross.candidates, spec.candidate_block_size, num)
         masked = jnp.where(allowed, scores, jnp.asarray(-jnp.inf, scores.dtype))
         cross = cross._replace(selection=topk_entries(masked, spec.index_topk))
-        if lp.is_candidate_source:
-            assert spec.candidate_block_size is not None and spec.candidate_topk_blocks is not None
-            cand = candidate_blocks(
-                scores,
-                meta.positions,
-                ratio=ratio,
-                block_size=spec.candidate_block_size,
-                topk_blocks=spec.candidate_topk_blocks,
-            )
-            cross = cross._replace(candidates=cand)
-        return cross
+        assert spec.candidate_block_size is not None and spec.candidate_topk_blocks is not None
+        cand = candidate_blocks(
+            scores,
+            meta.positions,
+            ratio=ratio,
+            block_size=spec.candidate_block_size,
+            topk_blocks=spec.candidate_topk_blocks,
+        )
+        return cross._replace(candidates=cand)
+
+
+def cache_storage(dtype: str, kv_cache_dtype: str = "auto") -> str:
+    """The key storage for precision ``dtype`` and the ``kv_cache_dtype`` setting (``ValueError`` naming the
+    value and the choices)."""
+    return key_cache_storage("deepseek_v41", dtype, kv_cache_dtype)
+
+
+def paged_model(model: Any, *, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> V41PagedModel:
+    """The engine's view of a loaded V4.1 model (``load_model``'s result)."""
+    return V41PagedModel.create(model, block_size=block_size, dtype=dtype, cache_dtype=kv_cache_dtype)

@@ -1,9 +1,9 @@
-"""DeepSeek-V4 in the engine (tiny-v4): the paged ragged forward against the model's own full forward.
+"""DeepSeek-V4's paged ragged forward (``models/deepseek_v4/paged.py``, tiny-v4) against its own full forward.
 
 ``forward_logits`` of the model equals the transformers fixtures of ``tests/data/v4`` (tests/models/deepseek_v4),
-so every comparison with it here is a comparison with transformers. The direct tests drive
-``V4PagedModel.forward`` with hand-written step schedules (fixed bucket: one compilation); the engine tests run
-the real ``LLM`` with a cache small enough to force preemption.
+so every comparison with it here is a comparison with transformers. The tests drive ``V4PagedModel.forward``
+with hand-written step schedules (fixed bucket: one compilation); the engine runs it through ``LLM`` in
+tests/engine/test_engine_families.py.
 """
 
 from __future__ import annotations
@@ -15,17 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from greedy_reference import greedy_reference  # tests/greedy_reference.py
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deepinfer_jax.cache.ragged import RaggedMeta, make_meta
 from deepinfer_jax.checkpoint.model_loading import load_model
 from deepinfer_jax.config.model import ModelConfig
-from deepinfer_jax.engine.llm import LLM
-from deepinfer_jax.engine.paged_v4 import V4PagedModel
-from deepinfer_jax.engine.params import SamplingParams
 from deepinfer_jax.models.deepseek_v4 import model as v4_model
+from deepinfer_jax.models.deepseek_v4.paged import V4PagedModel
 from deepinfer_jax.numerics.activation import CastPolicy
 
 BLOCK = 16
@@ -221,12 +218,14 @@ def test_block_size_and_cache_dtype_are_checked(model):
 _STATE = 2 * (2 * 8 * 2 * 256 * 4) + 2 * (16 * 2 * 128 * 4)
 LAYOUTS = {
     "float32": (2 * 4 * (512 + 512) + 2 * 512, 5 * 16 * 512 + _STATE),
+    # Unquantised bfloat16 keys: half the float32 bytes.
+    "bfloat16": (2 * 4 * (256 + 256) + 2 * 256, 5 * 16 * 256 + _STATE),
     # MXFP8 window 128 + 4 B, FP4 compressed 64 + 8 B (E4M3 scale per 16), MXFP4 indexer 64 + 4 B.
-    "bfloat16": (2 * 4 * (72 + 68) + 2 * 72, 5 * 16 * 132 + _STATE),
+    "quantized": (2 * 4 * (72 + 68) + 2 * 72, 5 * 16 * 132 + _STATE),
 }
 
 
-@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "quantized"])
 def test_layout_bytes_are_the_real_cache(model, cache_dtype):
     pm = V4PagedModel.create(model, block_size=BLOCK, dtype="float32", cache_dtype=cache_dtype)
     layout = pm.layout()
@@ -238,10 +237,10 @@ def test_layout_bytes_are_the_real_cache(model, cache_dtype):
 
 
 def test_production_records_equal_the_models_cache_round_trips(trimmed):
-    """``cache_dtype="bfloat16"`` stores MXFP8 / FP4 / MXFP4 records. In float32 arithmetic with the model's
+    """``cache_dtype="quantized"`` stores MXFP8 / FP4 / MXFP4 records. In float32 arithmetic with the model's
     §12.4 key round trips switched on (and nothing else), the contiguous model computes exactly what reading
     those records back gives, so the float32 tolerance applies."""
-    pm = V4PagedModel.create(trimmed, block_size=BLOCK, dtype="float32", cache_dtype="bfloat16")
+    pm = V4PagedModel.create(trimmed, block_size=BLOCK, dtype="float32", cache_dtype="quantized")
     casts = CastPolicy(window_keys="mxfp8", compressed_keys="fp4_e4m3", indexer="mxfp4")
     plan = dataclasses.replace(
         pm.plan, casts=casts, attention=tuple(dataclasses.replace(s, casts=casts) for s in pm.plan.attention)
@@ -258,7 +257,7 @@ def test_production_records_equal_the_models_cache_round_trips(trimmed):
     cache = pm.init_cache(NUM_BLOCKS, NUM_SLOTS)
     for rows in ([("a", 20), ("b", 7)], [("a", 1), ("b", 23)], [("a", 23)]):
         cache = seqs.step(forward, trimmed.params, cache, rows)
-    assert cache[1]["pages"].dtype == jnp.uint8 and cache[1]["pages"].shape[-1] == 72
+    assert cache.kv[0].dtype == jnp.uint8 and cache.kv[0].shape[-1] == 72  # layer 1's FP4 records
 
 
 def test_temporary_memory_does_not_gather_the_context(trimmed):
@@ -291,73 +290,3 @@ def test_temporary_memory_does_not_gather_the_context(trimmed):
     forward = jax.jit(lambda p, c, ids, m: pm.forward(p, c, ids, m, tile=None), donate_argnums=1)
     analysis = forward.lower(params, cache, i32(t), meta).compile().memory_analysis()
     assert analysis.temp_size_in_bytes < 12 * 2**20, analysis.temp_size_in_bytes
-
-
-# ----------------------------------------------------------------------------------------------- engine
-
-# 12 blocks of 16 tokens (11 usable: 176 tokens) plus 9 state slots and the sampling state: far less than the
-# 16-request batch below holds at its peak with 8 sequences running, so the scheduler must preempt.
-ENGINE_BLOCKS, ENGINE_SLOTS = 12, 9
-MEMORY = ENGINE_BLOCKS * LAYOUTS["float32"][0] + ENGINE_SLOTS * (LAYOUTS["float32"][1] + 4 * 513)
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(
-        "tiny-v4",
-        dtype="float32",
-        max_num_seqs=8,
-        max_num_batched_tokens=32,
-        kv_cache_memory=MEMORY,
-        **{"cache.block_size": BLOCK},
-    )
-
-
-def _prompts() -> list[list[int]]:
-    lengths = [3, 17, 40, 1, 9, 25, 33, 5, 12, 2, 48, 7, 20, 15, 30, 4]
-    return [_ids(100 + i, n).tolist() for i, n in enumerate(lengths)]
-
-
-def _params() -> list[SamplingParams]:
-    out = []
-    for i in range(16):
-        if i % 3:
-            out.append(SamplingParams(temperature=0.0, max_tokens=4 + i % 5, ignore_eos=True))
-        else:
-            out.append(
-                SamplingParams(temperature=0.8, top_k=40, max_tokens=5, seq_seed=50 + i, ignore_eos=True)
-            )
-    return out
-
-
-@pytest.fixture(scope="module")
-def batch_outputs(llm):
-    return llm.generate(prompt_token_ids=_prompts(), sampling_params=_params(), use_tqdm=False)
-
-
-def test_engine_plans_the_v4_cache(llm):
-    spec = llm.memory_plan.spec
-    assert (spec.num_blocks, spec.num_slots, spec.block_size) == (ENGINE_BLOCKS, ENGINE_SLOTS, BLOCK)
-    assert isinstance(llm.paged_model, V4PagedModel)
-    text = llm.memory_plan.describe()
-    assert "compressed_sparse_attention" in text and "heavily_compressed_attention" in text
-    assert f"{LAYOUTS['float32'][0]} B over all layers" in text
-
-
-def test_batch_equals_alone_and_greedy_equals_full_forwards(llm, batch_outputs, model):
-    prompts, params = _prompts(), _params()
-    assert sum(o.metrics.num_preemptions for o in batch_outputs) > 0, "the small cache must force preemption"
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        got = batch_outputs[i].outputs[0]
-        assert got.finish_reason == "length", i
-        alone = llm.generate(prompt_token_ids=[prompt], sampling_params=p, use_tqdm=False)[0].outputs[0]
-        assert alone.token_ids == got.token_ids, f"request {i}"
-        if p.temperature == 0:
-            assert got.token_ids == greedy_reference(model, prompt, p.max_tokens, REF_LEN), f"request {i}"
-
-
-def test_steady_state_does_not_recompile(llm, batch_outputs):
-    compiled = llm.executor.compile_count
-    again = llm.generate(prompt_token_ids=_prompts(), sampling_params=_params(), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in batch_outputs]
-    assert llm.executor.compile_count == compiled

@@ -15,14 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepinfer_jax.cache.paged import paged_mla_attention
+from deepinfer_jax.cache.paged import fp8_latent_record_bytes, paged_mla_attention
 from deepinfer_jax.config import load_model_config
 from deepinfer_jax.config.model import ModelConfig
-from deepinfer_jax.engine.paged_v3 import PagedMeta, paged_decoder_layer
 from deepinfer_jax.models.deepseek_v3 import model as v3_model
+from deepinfer_jax.models.deepseek_v3.paged import PagedMeta, paged_decoder_layer
 from deepinfer_jax.models.deepseek_v3.weights import assemble_params, expected_tensors
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 BATCH, CONTEXT, BLOCK = 64, 32768, 128
 MIB = 1 << 20
 
@@ -50,8 +50,11 @@ def _memory(fn, *args) -> int:
     return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
-def _cache_struct():
+def _cache_struct(kind: str = "bfloat16"):
+    """One layer's latent cache: bf16 records of 512 + 64 values, or the FP8 latent records (656 B)."""
     num_blocks = BATCH * CONTEXT // BLOCK + 1
+    if kind == "fp8":
+        return jax.ShapeDtypeStruct((1, num_blocks, BLOCK, fp8_latent_record_bytes(512, 64)), jnp.uint8)
     return jax.ShapeDtypeStruct((1, num_blocks, BLOCK, 576), jnp.bfloat16)
 
 
@@ -82,7 +85,10 @@ def test_real_shape_paged_attention_temp_memory():
     assert temp < 256 * MIB, f"paged attention needs {temp / MIB:.0f} MiB of temporaries"
 
 
-def test_real_shape_decode_layer_temp_memory(real_cfg):
+@pytest.mark.parametrize("cache_kind", ["bfloat16", "fp8"])
+def test_real_shape_decode_layer_temp_memory(real_cfg, cache_kind):
+    """The FP8 latent cache at V3's real shape: its 656-byte records could hold 512 or 516 latent values, so the
+    layer writes them with ``kv_rank`` (``write_tokens`` refuses to guess)."""
     layer = _abstract_layer(real_cfg, 3)
     assert "router" in layer["mlp"] and layer["mlp"]["experts"]["gate"]["weight"].dtype == np.uint8
     pl = v3_model.plan(real_cfg, "bfloat16")
@@ -95,9 +101,9 @@ def test_real_shape_decode_layer_temp_memory(real_cfg):
         return out, cache
 
     fn = jax.jit(decode, donate_argnums=(2,))
-    compiled = fn.lower(x, layer, _cache_struct(), *_meta_structs()).compile()
+    compiled = fn.lower(x, layer, _cache_struct(cache_kind), *_meta_structs()).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
-    print(f"decode layer temporaries: {temp / MIB:.1f} MiB")
+    print(f"decode layer temporaries ({cache_kind} cache): {temp / MIB:.1f} MiB")
     assert temp < 2048 * MIB, f"one decode layer needs {temp / MIB:.0f} MiB of temporaries"
 
 
