@@ -12,7 +12,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_demo_continues_a_play_with_shakespeare_v41_the_engine_and_chat():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # The checkout's own package first (the script's folder, not the root, heads its sys.path).
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
     res = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "demo.py"), "--max_tokens", "12"],
         capture_output=True,
@@ -30,7 +32,8 @@ def test_demo_continues_a_play_with_shakespeare_v41_the_engine_and_chat():
     assert greedy is not None, out
     ids = [int(x) for x in greedy.group(1).split(",") if x.strip()]
     assert 1 <= len(ids) <= 12 and all(0 <= i < 2048 for i in ids)
-    text = re.search(r"\[demo\]   text '(.*)'", out).group(1)
+    # The text is printed as its repr: in double quotes when it holds an apostrophe.
+    text = re.search(r"\[demo\]   text (['\"])(.*)\1\n", out).group(2)
     assert sum(c.isalpha() for c in text) >= len(text) // 2, text
     # The engine on the same model: three requests in one batch, the greedy one equal to the full forward's.
     assert len(re.findall(r"engine \((greedy|sample 1|sample 2)\) -> \d+ tokens", out)) == 3, out

@@ -133,7 +133,18 @@ def test_engine_text_score_equals_a_full_forward_reference(engines):
         evaluate_text(llm, "")
 
 
-def test_eval_subcommand(tmp_path, capsys):
+def test_eval_subcommand(engines, tmp_path, capsys, monkeypatch):
+    """The command line's flags reach LLM and the printed figures are evaluate_text's. The engine it builds is
+    the module's shared one (same settings; building another would only compile the same engine again)."""
+    from deepinfer_jax.engine import llm as llm_module
+
+    seen = []
+
+    def shared_engine(model, **kwargs):
+        seen.append((model, kwargs))
+        return engines[model]
+
+    monkeypatch.setattr(llm_module, "LLM", shared_engine)
     path = tmp_path / "held_out.txt"
     path.write_text(HELD_OUT)
     args = [
@@ -149,6 +160,12 @@ def test_eval_subcommand(tmp_path, capsys):
     ]
     assert cli.main([*args, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
+    model, kwargs = seen[0]
+    assert model == "shakespeare-v41" and kwargs["dtype"] == "float32"
+    assert kwargs["kv_cache_memory"] == "64MiB" and kwargs["max_num_seqs"] == 4
+    assert kwargs["max_num_batched_tokens"] == 128
+    expected = evaluate_text(engines["shakespeare-v41"], HELD_OUT, chunk_tokens=40)
+    assert result["nats"] == pytest.approx(expected.nats, rel=1e-9) and result["tokens"] == expected.tokens
     assert result["dtype"] == "float32" and result["characters"] == len(HELD_OUT)
     assert result["bits_per_char"] == pytest.approx(result["nats"] / math.log(2) / len(HELD_OUT))
     assert 0 < result["bits_per_char"] < 3.5 and result["tokens_per_s"] > 0

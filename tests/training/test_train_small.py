@@ -6,10 +6,10 @@ import json
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
 from small_recipes import small_corpus, small_v3_recipe, small_v41_recipe
 
 from deepinfer_jax import load_model
+from deepinfer_jax.checkpoint.reader import open_checkpoint
 from deepinfer_jax.models.registry import get_family
 from deepinfer_jax.training.recipe import run_recipe
 
@@ -25,7 +25,8 @@ def _check_export(out, family: str) -> None:
     cfg_q = json.loads((out / "model" / "config.json").read_text())
     cfg_f = json.loads((out / "float32" / "config.json").read_text())
     assert "quantization_config" in cfg_q and "quantization_config" not in cfg_f
-    stored = load_file(str(out / "model" / "model.safetensors"))
+    with open_checkpoint(out / "model") as reader:  # the project's reader: it knows F8_E8M0
+        stored = dict(reader.read_many(reader.names()))
     dtypes = {str(a.dtype) for a in stored.values()}
     assert "float8_e4m3fn" in dtypes and "bfloat16" in dtypes
     if family == "deepseek_v41":
