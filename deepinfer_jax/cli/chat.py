@@ -5,7 +5,7 @@ The conversation is given as `--message 'ROLE: TEXT'` flags, in order (`user`, `
 `--system` as a shorthand for a leading system message; `--tools` takes a JSON file of Chat Completions function
 tools. Thinking mode (`--thinking`, `--reasoning_effort`) opens a reasoning block for the reply, which is printed
 apart from the answer. `--json` prints the parsed turn as one JSON object (and the notices on stderr), for
-scripts. Built-in models have random weights, so their replies are noise; the command says so.
+scripts. The tiny built-in models have random weights, so their replies are noise; the command says so.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ completions.
 
 Prompts come from `--prompt` (repeatable) or `--prompt_ids` (comma-separated token ids, repeatable, for models
 without a tokenizer). A progress bar runs while the requests are generated, and a one-line summary (requests,
-tokens, tokens/s, compile time) follows. Built-in models have random weights, so their text is noise; the
+tokens, tokens/s, compile time) follows. The tiny built-in models have random weights, so their text is noise; the
 command says so.
 """
 
