@@ -1,8 +1,10 @@
 """The README's main job, run by `scripts/demo`.
 
-Materialises the built-in tiny DeepSeek-V4.1 model (random weights, HF layout), generates with it greedily by
-repeated full forward passes, then runs the engine (continuous batching over paged caches and state slots) on
-the same model and checks that its greedy tokens are the same. It never prints made-up model output.
+Loads the built-in `shakespeare-v41` (a small DeepSeek-V4.1 trained on Shakespeare, shipped in the package; any
+built-in can be chosen with --model), continues a prompt greedily by repeated full forward passes, then runs the
+engine (continuous batching over paged caches and state slots) on the same model: its greedy tokens must equal
+the full forward's, and two seeded samples share the batch. Last, the same prompt as a conversation through
+`LLM.chat`. It prints only what the model produced.
 """
 
 from __future__ import annotations
@@ -18,15 +20,18 @@ from deepinfer_jax.models import builtin
 from deepinfer_jax.text.detokenize import IncrementalDetokenizer
 from deepinfer_jax.text.tokenizer import Tokenizer
 
+DEFAULT_PROMPT = "KING.\nWhat news from Rome?\n\nMESSENGER.\n"
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("prompt", nargs="?", default="The capital of France is")
-    parser.add_argument("--model", default="tiny-v41", choices=builtin.list_builtin())
-    parser.add_argument("--max_tokens", type=int, default=12)
+    parser.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    parser.add_argument("--model", default="shakespeare-v41", choices=builtin.list_builtin())
+    parser.add_argument("--max_tokens", type=int, default=48)
     args = parser.parse_args()
 
-    print(f"[demo] model {args.model}: {builtin.get_builtin(args.model).description}")
+    record = builtin.get_builtin(args.model)
+    print(f"[demo] model {args.model}: {record.description}")
     path = builtin.materialize(args.model)
     print(f"[demo] checkpoint (HF layout) at {path}")
     model = config_lib.load_model_config(path)
@@ -45,40 +50,52 @@ def main() -> int:
 
     from deepinfer_jax import LLM, SamplingParams, load_model
 
+    weights = "random weights, so the text is noise" if record.random_weights else "trained weights"
     # 1. The model itself: greedy decoding by repeated full forward passes (every token recomputes its prefix).
     #    The token buffer has a fixed length so there is one compile; the forward is causal, so the padding
     #    after the current position never changes its logits.
     model = load_model(path, "float32")
-    prompt_ids = tok.encode(args.prompt, add_bos=True)
-    buf = np.full((1, len(prompt_ids) + args.max_tokens), tok.pad_id, np.int32)
-    buf[0, : len(prompt_ids)] = prompt_ids
+    buf = np.full((1, len(ids) + args.max_tokens), tok.pad_id, np.int32)
+    buf[0, : len(ids)] = ids
     new_ids: list[int] = []
-    for cur in range(len(prompt_ids), buf.shape[1]):
+    for cur in range(len(ids), buf.shape[1]):
         logits = model.logits(buf)
         buf[0, cur] = int(np.argmax(logits[0, cur - 1]))
         new_ids.append(int(buf[0, cur]))
         if new_ids[-1] == tok.eos_id:
             break
-    print(f"[demo] {args.model} greedy by full forward (random weights, so the text is noise): {new_ids}")
+    print(f"[demo] {args.model} greedy by full forward ({weights}): {new_ids}")
     print(f"[demo]   text {tok.decode(new_ids)!r}")
 
     # 2. The engine (paged caches, state slots, scheduler, jitted step, sampler) on the same model: its greedy
-    #    tokens must equal the full forward's; two more prompts share the batch with seeded sampling.
+    #    tokens must equal the full forward's; two seeded samples share the batch.
     llm = LLM(model=args.model, dtype="float32", kv_cache_memory="64MiB")
     params = [
         SamplingParams(max_tokens=args.max_tokens, temperature=0.0),
         SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.9, seq_seed=1),
         SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.9, seq_seed=2),
     ]
-    prompts = [args.prompt, "Once upon a time", "def fibonacci(n):"]
+    prompts = [args.prompt] * 3
     outputs = llm.generate(prompts, params)
-    for prompt, output in zip(prompts, outputs):
+    for label, output in zip(("greedy", "sample 1", "sample 2"), outputs):
         out = output.outputs[0]
-        print(f"[demo] engine, {prompt!r} -> {len(out.token_ids)} tokens {out.token_ids}")
-        print(f"[demo]   text {out.text!r}  finish_reason={out.finish_reason}")
+        print(f"[demo] engine ({label}) -> {len(out.token_ids)} tokens {out.token_ids}")
+        print(f"[demo]   {args.prompt}{out.text}")
+        print(f"[demo]   finish_reason={out.finish_reason}")
     greedy = outputs[0].outputs[0].token_ids
     same = greedy == new_ids[: len(greedy)]
     print(f"[demo] engine greedy tokens {'equal' if same else 'DIFFER FROM'} the full-forward greedy tokens")
+
+    # 3. The same words as a conversation: LLM.chat encodes it in the DeepSeek-V4.1 chat format (the model's
+    #    tokenizer has the chat markers). The model learnt plays, not conversations: its reply is play text.
+    (reply,) = llm.chat(
+        [{"role": "user", "content": args.prompt}],
+        SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.9, seq_seed=3),
+    )
+    print(
+        f"[demo] LLM.chat -> {reply.usage['completion_tokens']} tokens, finish_reason={reply.finish_reason}: "
+        f"{reply.content!r}"
+    )
     return 0 if same else 1
 
 

@@ -5,7 +5,7 @@ The conversation is given as `--message 'ROLE: TEXT'` flags, in order (`user`, `
 `--system` as a shorthand for a leading system message; `--tools` takes a JSON file of Chat Completions function
 tools. Thinking mode (`--thinking`, `--reasoning_effort`) opens a reasoning block for the reply, which is printed
 apart from the answer. `--json` prints the parsed turn as one JSON object (and the notices on stderr), for
-scripts. Built-in models have random weights, so their replies are noise; the command says so.
+scripts. The tiny built-in models have random weights, so their replies are noise; the command says so.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
         llm = common.llm_from_flags(fv)
         if fv.verbose:
             print(llm.memory_plan.describe(), file=notice)
-        if builtin.is_builtin(fv.model):
+        if builtin.is_builtin(fv.model) and builtin.get_builtin(fv.model).random_weights:
             print(
                 f"{fv.model} is a built-in test model with random weights: its replies are noise.",
                 file=notice,

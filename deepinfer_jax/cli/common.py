@@ -22,8 +22,8 @@ def define_config_flags(fv: flags.FlagValues, *, model_required: bool = False) -
     flags.DEFINE_string(
         "model",
         None,
-        "a built-in model name (tiny-v3, tiny-v4, tiny-v41), a model folder with config.json, a config.json, "
-        "or a yaml config file",
+        "a built-in model name (tiny-v3, tiny-v4, tiny-v41, shakespeare-v41, shakespeare-v3), a model folder "
+        "with config.json, a config.json, or a yaml config file",
         flag_values=fv,
         required=model_required,
     )

@@ -3,8 +3,9 @@ completions.
 
 Prompts come from `--prompt` (repeatable) or `--prompt_ids` (comma-separated token ids, repeatable, for models
 without a tokenizer). `--json_schema FILE`, `--regex R`, `--choice a,b,c`, `--grammar FILE` (Lark-style EBNF) or
-`--json_object` constrain every completion (structured outputs; at most one of them). A progress bar runs while the requests are generated, and a one-line summary (requests,
-tokens, tokens/s, compile time) follows. Built-in models have random weights, so their text is noise; the
+`--json_object` constrain every completion (structured outputs; at most one of them). A progress bar runs while the
+requests are generated, and a one-line summary (requests, tokens, tokens/s, compile time) follows. The tiny built-in
+models have random weights, so their text is noise; the
 command says so.
 """
 
@@ -131,7 +132,7 @@ def main(argv: list[str], fv: flags.FlagValues) -> int:
         common.resolve_model(fv.model)
         _check_prompt_ids(fv, prompt_ids, params)
         llm = common.llm_from_flags(fv)
-        if builtin.is_builtin(fv.model):
+        if builtin.is_builtin(fv.model) and builtin.get_builtin(fv.model).random_weights:
             print(f"{fv.model} is a built-in test model with random weights: its completions are noise.")
         if fv.verbose:
             print(llm.memory_plan.describe())

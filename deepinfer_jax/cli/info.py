@@ -37,6 +37,7 @@ def _builtin_table() -> list[dict[str, str]]:
             "name": n,
             "family": builtin.get_builtin(n).family,
             "description": builtin.get_builtin(n).description,
+            "weights": "random" if builtin.get_builtin(n).random_weights else "trained",
         }
         for n in builtin.list_builtin()
     ]
@@ -45,6 +46,7 @@ def _builtin_table() -> list[dict[str, str]]:
 def collect(fv: flags.FlagValues) -> dict[str, Any]:
     """Everything `info` reports, as a json-able dict (tests read this)."""
     from deepinfer_jax import cache
+    from deepinfer_jax.models import builtin
 
     _, builtin_name = common.resolve_model(fv.model)
     cfg = common.config_from_flags(fv)
@@ -59,6 +61,8 @@ def collect(fv: flags.FlagValues) -> dict[str, Any]:
         "builtin": builtin_name,
         "weights": (
             "random (built-in test model)"
+            if builtin_name and builtin.get_builtin(builtin_name).random_weights
+            else "trained (built-in model shipped in the package)"
             if builtin_name
             else "none (a config file only)"
             if str(fv.model or "").endswith((".yaml", ".yml", ".json"))

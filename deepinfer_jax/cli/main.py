@@ -66,6 +66,11 @@ register_subcommand("sweep", "deepinfer_jax.cli.sweep", "run a benchmark grid fr
 register_subcommand(
     "serve", "deepinfer_jax.cli.serve", "an OpenAI- and Anthropic-compatible HTTP server over the engine"
 )
+register_subcommand(
+    "eval",
+    "deepinfer_jax.cli.eval",
+    "score a text through the engine: bits per character, perplexity, tokens/s",
+)
 # Further subcommands are registered here by the issue that implements them.
 
 

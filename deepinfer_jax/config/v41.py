@@ -126,7 +126,8 @@ class DeepseekV41Config(DeepseekV4BaseConfig):
         reader.get("architectures", tuple[str, ...])
         if not reader.has("dtype") and not reader.has("torch_dtype"):
             reader.get("dtype", str)
-        reader.sub("quantization_config")
+        # Optional: without it the checkpoint stores every linear unquantised (a float-weight model, below).
+        reader.sub("quantization_config", required=False)
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             reader.get(key, int | tuple[int, ...] | None)
         vision = reader.sub("vision_config", required=False)
@@ -193,25 +194,29 @@ class DeepseekV41Config(DeepseekV4BaseConfig):
                 f"architectures = {list(self.architectures)!r}: must be exactly [{self.ARCHITECTURE!r}]",
                 field="architectures",
             )
-        if self.checkpoint_dtype != "bfloat16":
-            key = self.checkpoint_dtype_key
-            raise ConfigValueError(
-                f"{key} = {self.checkpoint_dtype!r} (config.json's dtype of the checkpoint's unquantised tensors, "
-                "not the engine's dtype setting): a V4.1 checkpoint's unquantised tensors are 'bfloat16'",
-                field=key,
-            )
         if self.quantization is None:
-            raise ConfigValueError(
-                "quantization_config is required for V4.1 (FP8 weights, MXFP4 experts) but missing",
-                field="quantization_config",
-            )
-        for key, expected in V41_QUANTIZATION.items():
-            actual = getattr(self.quantization, key)
-            if actual != expected:
+            # A float-weight V4.1 (no quantization_config): every linear, the Engram tables and the experts are
+            # stored unquantised in ``dtype``; float32 storage is allowed here (a float32 master checkpoint).
+            if self.checkpoint_dtype not in ("bfloat16", "float32"):
                 raise ConfigValueError(
-                    f"quantization_config.{key} = {actual!r}: must be {expected!r} for V4.1",
-                    field=f"quantization_config.{key}",
+                    f"dtype = {self.checkpoint_dtype!r}: a float-weight V4.1 checkpoint (no quantization_config) "
+                    "stores its tensors as 'bfloat16' or 'float32'",
+                    field="dtype",
                 )
+        else:
+            if self.checkpoint_dtype != "bfloat16":
+                raise ConfigValueError(
+                    f"dtype = {self.checkpoint_dtype!r}: a quantised V4.1 checkpoint's unquantised tensors are "
+                    "'bfloat16'",
+                    field="dtype",
+                )
+            for key, expected in V41_QUANTIZATION.items():
+                actual = getattr(self.quantization, key)
+                if actual != expected:
+                    raise ConfigValueError(
+                        f"quantization_config.{key} = {actual!r}: must be {expected!r} for V4.1",
+                        field=f"quantization_config.{key}",
+                    )
         if len(self.draft_compress_ratios) != self.num_nextn_predict_layers:
             raise ConfigValueError(
                 f"{n('compress_ratios')}: {L + len(self.draft_compress_ratios)} entries; must have "

@@ -1,7 +1,10 @@
-"""Built-in tiny models: a registry, deterministic random weights, and an HF-layout writer.
+"""Built-in models: a registry, deterministic random weights, shipped trained weights, and an HF-layout writer.
 
 Researchers without checkpoints or GPUs still need complete models to run the engine end to end, so the project
-ships three tiny ones - `tiny-v3`, `tiny-v4` and `tiny-v41` - with **random weights**. Each is described by a
+ships three tiny ones - `tiny-v3`, `tiny-v4` and `tiny-v41` - with **random weights**, and two small *trained*
+ones, `shakespeare-v41` and `shakespeare-v3`, whose checkpoints are files of the package
+(`deepinfer_jax/models/trained/<name>/`, made by `scripts/train_tiny.py`): `materialize` returns that folder as
+it is, and loading one never trains or writes anything. Each random-weight model is described by a
 yaml file in the repository's `configs/` folder (its `model:` section is the HF `config.json`), a synthetic
 tokenizer and a deterministic weight generator for its family. `materialize(name)` writes the model on first
 use, in the layout of a Hugging Face checkpoint folder:
@@ -68,7 +71,9 @@ __all__ = [
     "list_builtin",
     "materialize",
     "register_builtin",
+    "register_trained",
     "register_weight_generator",
+    "trained_folder",
     "write_safetensors",
 ]
 
@@ -136,6 +141,14 @@ def configs_dir() -> Path:
     return path
 
 
+def trained_folder(name: str) -> Path:
+    """The package folder of trained built-in model ``name``: ``deepinfer_jax/models/trained/<name>/``."""
+    return Path(deepinfer_jax.__file__).resolve().parent / "models" / "trained" / name
+
+
+_TRAINED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
 def _synthetic_tokenizer(vocab_size: int) -> str:
     """The project's synthetic tokenizer (`deepinfer_jax.text.synthetic`).
 
@@ -154,21 +167,33 @@ def _synthetic_tokenizer(vocab_size: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class BuiltinModel:
-    """One built-in model: where its config lives and how its tokenizer and weights are produced."""
+    """One built-in model: where its config lives and how its tokenizer and weights are produced.
+
+    A trained model (``trained`` set) has its whole checkpoint folder in the package instead: ``config`` is then
+    that folder's ``config.json`` and there is no weight generator.
+    """
 
     name: str
     family: str  # "deepseek_v3" | "deepseek_v4" | "deepseek_v41"
-    config: str  # yaml file name, relative to the repository's configs/ folder
-    description: str  # one line; says that the weights are random
+    config: str  # yaml file name, relative to the repository's configs/ folder ("config.json" if trained)
+    description: str  # one line; says whether the weights are random or trained
     seed: int
-    weight_generator: WeightGenerator
+    weight_generator: WeightGenerator | None
     generator_version: str
     tokenizer_builder: TokenizerBuilder = _synthetic_tokenizer
+    trained: str | None = None  # folder name under deepinfer_jax/models/trained/
 
     @property
     def yaml_path(self) -> Path:
-        """Absolute path of the model's yaml config."""
+        """Absolute path of the model's config: its yaml, or a trained model's ``config.json``."""
+        if self.trained is not None:
+            return trained_folder(self.trained) / "config.json"
         return configs_dir() / self.config
+
+    @property
+    def random_weights(self) -> bool:
+        """Whether the weights are random (the tiny models) rather than trained."""
+        return self.trained is None
 
 
 _WEIGHT_GENERATORS: dict[str, tuple[WeightGenerator, str]] = {
@@ -199,7 +224,7 @@ def register_weight_generator(family: str, fn: WeightGenerator, *, version: str 
     _check_str("version", version)
     _WEIGHT_GENERATORS[family] = (fn, version)
     for name, model in list(BUILTIN_MODELS.items()):
-        if model.family == family:
+        if model.family == family and model.trained is None:
             BUILTIN_MODELS[name] = dataclasses.replace(model, weight_generator=fn, generator_version=version)
 
 
@@ -272,6 +297,48 @@ register_builtin(
         "random weights, for tests and demos"
     ),
     seed=41,
+)
+
+
+def register_trained(
+    name: str, *, family: str, description: str, seed: int, replace: bool = False
+) -> BuiltinModel:
+    """Register a trained built-in model whose checkpoint is the package folder :func:`trained_folder` ``(name)``."""
+    _check_str("name", name)
+    _check_str("description", description)
+    _check_seed(seed)
+    if name in BUILTIN_MODELS and not replace:
+        raise ValueError(
+            f"name: built-in model {name!r} is already registered (pass replace=True to replace it)"
+        )
+    model = BuiltinModel(
+        name=name,
+        family=family,
+        config="config.json",
+        description=description,
+        seed=seed,
+        weight_generator=None,
+        generator_version="trained",
+        trained=name,
+    )
+    BUILTIN_MODELS[name] = model
+    return model
+
+
+register_trained(
+    "shakespeare-v41",
+    family="deepseek_v41",
+    description=(
+        "small DeepSeek-V4.1 trained on Shakespeare (every V4.1 layer kind, Engram, DSpark drafter with "
+        "confidence head, FP8/MXFP4 weights)"
+    ),
+    seed=0,
+)
+register_trained(
+    "shakespeare-v3",
+    family="deepseek_v3",
+    description="small DeepSeek-V3 trained on Shakespeare (MLA, group-limited MoE, one MTP layer, FP8 weights)",
+    seed=0,
 )
 
 
@@ -495,6 +562,7 @@ def _write_folder(
     except (TypeError, ValueError) as e:
         raise ValueError(f"{yaml_path}: the `model:` section cannot be written as config.json: {e}") from e
     _write_text(folder / "config.json", config_text)
+    assert model.weight_generator is not None  # materialize returns trained folders before this
     tensors = model.weight_generator(config, TensorRngFactory(model.seed))
     write_safetensors(folder / "model.safetensors", tensors, _SAFETENSORS_METADATA)
     _write_text(folder / "tokenizer.json", tokenizer_text)
@@ -552,7 +620,8 @@ def _derive_from_tokenizer(family: str, config: dict[str, Any], tokenizer_text: 
 def materialize(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Write built-in model `name` in HF layout on first use and return its folder.
 
-    Later calls (from any process) reuse the folder when its manifest checks out; a corrupted or incomplete
+    A trained model's folder is the package's own (:func:`trained_folder`), returned as it is: nothing is
+    written, and nothing trains. Later calls (from any process) reuse the folder when its manifest checks out; a corrupted or incomplete
     folder is rebuilt. The folder name carries a hash of the config, generator and tokenizer, so a changed
     config gets a new folder.
 
@@ -562,6 +631,15 @@ def materialize(name: str, cache_dir: str | os.PathLike[str] | None = None) -> P
       ImportError: the synthetic tokenizer builder is not available.
     """
     model = get_builtin(name)
+    if model.trained is not None:
+        folder = trained_folder(model.trained)
+        missing = [f for f in _TRAINED_FILES if not (folder / f).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"built-in model {name!r}: the shipped folder {folder} lacks {missing}; it is made by "
+                "scripts/train_tiny.py --ship (an installed package carries it as package data)"
+            )
+        return folder
     yaml_path = model.yaml_path
     if not yaml_path.is_file():
         raise FileNotFoundError(f"built-in model {name!r}: config file {yaml_path} does not exist")

@@ -103,6 +103,12 @@ def test_info_tiny_v41(capsys):
     assert all(s["backend"] == "reference" for s in report["ops"]["selected"].values())
 
 
+def test_info_trained_builtin_says_its_weights_are_trained(capsys):
+    model = info_json(capsys, "--model", "shakespeare-v41")["model"]
+    assert model["builtin"] == "shakespeare-v41" and model["family"] == "deepseek_v41"
+    assert model["weights"].startswith("trained") and "random" not in model["weights"]
+
+
 def test_info_real_shape_reports_sizes_and_missing_values(capsys):
     report = info_json(capsys, "--model", str(ROOT / "configs" / "deepseek_v41_flash.yaml"))
     assert report["record_bytes_per_token"] == {"window": 528, "compressed": 288, "indexer": 68}
@@ -148,8 +154,11 @@ def test_info_lists_the_ops_of_the_model_family(capsys):
 def test_info_without_model_lists_builtins(capsys):
     report = info_json(capsys)
     names = {m["name"] for m in report["builtin_models"]}
-    assert names == {"tiny-v3", "tiny-v4", "tiny-v41"}
-    assert all("random" in m["description"] for m in report["builtin_models"])
+    assert names == {"tiny-v3", "tiny-v4", "tiny-v41", "shakespeare-v41", "shakespeare-v3"}
+    weights = {m["name"]: m["weights"] for m in report["builtin_models"]}
+    assert {n for n, w in weights.items() if w == "random"} == {"tiny-v3", "tiny-v4", "tiny-v41"}
+    assert all("random" in m["description"] for m in report["builtin_models"] if m["weights"] == "random")
+    assert {n for n, w in weights.items() if w == "trained"} == {"shakespeare-v41", "shakespeare-v3"}
 
 
 def test_python_dash_m_entry_point():

@@ -350,7 +350,6 @@ V41_VIOLATIONS = [
     ("architectures", ["DeepseekV4ForCausalLM"], "DeepseekV41ForCausalLM"),
     ("quantization_config.weight_block_size", [128, 128], "must be (32, 32)"),
     ("quantization_config.scale_fmt", DELETE, "must be 'ue8m0'"),
-    ("quantization_config", DELETE, "quantization_config is required"),
     ("quantization_config.quant_method", "int8", "must be one of 'fp8'"),
     ("vision_config.hidden_size", DELETE, "vision_config.hidden_size is required"),
     ("pad_token_id", DELETE, "pad_token_id is required"),
@@ -370,6 +369,21 @@ def test_v41_constraint_violations(hf, key, value, expected):
     # The message names the offending key and the file.
     assert key.split(".")[-1] in message or key.rsplit(".", 1)[0] in message
     assert "tiny_v41.yaml" in message
+
+
+def test_v41_float_weights_without_quantization_config(hf):
+    # No quantization_config: a float-weight V4.1 (every linear unquantised), stored in bfloat16 or float32.
+    d = hf("tiny_v41")
+    del d["quantization_config"]
+    for dtype in ("bfloat16", "float32"):
+        d["dtype"] = dtype
+        cfg = parse_hf_config(d, source="configs/tiny_v41.yaml")
+        assert cfg.quantization is None and cfg.checkpoint_dtype == dtype
+    d["dtype"] = "float16"
+    with pytest.raises(
+        ValueError, match=r"dtype = 'float16': a float-weight V4.1 .* 'bfloat16' or 'float32'"
+    ):
+        parse_hf_config(d, source="configs/tiny_v41.yaml")
 
 
 V3_VIOLATIONS = [

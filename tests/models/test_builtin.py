@@ -87,7 +87,8 @@ def registry_snapshot():
 
 
 def test_registry_holds_the_three_tiny_models():
-    assert builtin.list_builtin() == ["tiny-v3", "tiny-v4", "tiny-v41"]
+    # The two trained models (tests/models/test_trained_builtin.py) are registered beside them.
+    assert builtin.list_builtin() == ["shakespeare-v3", "shakespeare-v41", "tiny-v3", "tiny-v4", "tiny-v41"]
     families = {name: builtin.get_builtin(name).family for name in TINY}
     assert families == {"tiny-v3": "deepseek_v3", "tiny-v4": "deepseek_v4", "tiny-v41": "deepseek_v41"}
     for name in TINY:
@@ -102,7 +103,8 @@ def test_registry_holds_the_three_tiny_models():
 
 def test_unknown_model_is_refused_with_the_known_names():
     with pytest.raises(
-        ValueError, match=r"'tiny-v5' is not a built-in model \(known: tiny-v3, tiny-v4, tiny-v41\)"
+        ValueError,
+        match=r"'tiny-v5' is not a built-in model \(known: shakespeare-v3, shakespeare-v41, tiny-v3, tiny-v4, tiny-v41\)",
     ):
         builtin.get_builtin("tiny-v5")
     with pytest.raises(ValueError, match="tiny-v5"):
@@ -135,6 +137,8 @@ def test_register_builtin_and_reregister_a_weight_generator(registry_snapshot, t
     assert builtin.get_builtin("toy").weight_generator is toy_generator_2
     assert builtin.get_builtin("toy").generator_version == "toy-2"
     assert builtin.get_builtin("tiny-v3").family == "deepseek_v3"  # other families untouched
+    builtin.register_weight_generator("deepseek_v41", toy_generator_2, version="toy-3")
+    assert builtin.get_builtin("shakespeare-v41").weight_generator is None  # trained models have none
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,7 @@ from deepinfer_jax.models.common import (
     lm_head,
     route,
     swiglu_mlp,
+    taps,
 )
 from deepinfer_jax.models.deepseek_v3.attention import mla_absorbed, mla_naive, mla_project
 from deepinfer_jax.models.deepseek_v3.weights import check_supported, compute_dtype
@@ -122,6 +123,9 @@ def moe_routing(tokens: jax.Array, p: Params, pl: V3Plan) -> Routing:
 def _moe(x: jax.Array, p: Params, pl: V3Plan) -> jax.Array:
     tokens = x.reshape(-1, x.shape[-1])
     routing = moe_routing(tokens, p, pl)
+    taps.record(
+        "moe_routing", ids=routing.ids, num_experts=p["router"].shape[0]
+    )  # training only (bias balance)
     y = select("moe_experts")(tokens, routing, p["experts"], pl.numerics, out_dtype=jnp.float32)
     if "shared" in p:
         y = y + swiglu_mlp(tokens, p["shared"], pl.numerics, out_dtype=jnp.float32)

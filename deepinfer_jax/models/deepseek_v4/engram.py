@@ -49,6 +49,7 @@ __all__ = [
     "CompressionMap",
     "EngramLayout",
     "engram_embed",
+    "engram_embed_dense",
     "engram_gate",
     "engram_key",
     "engram_layer",
@@ -484,6 +485,15 @@ def engram_embed(codes: jax.Array, scales: jax.Array, rows: jax.Array) -> jax.Ar
     return values.reshape(*rows.shape[:-2], -1)
 
 
+def engram_embed_dense(table: jax.Array, rows: jax.Array) -> jax.Array:
+    """:func:`engram_embed` for an unquantised table ``[R, De]`` (a float-weight model): the fetched rows in
+    float32, concatenated order-major, head-minor."""
+    if table.ndim != 2:
+        raise ValueError(f"engram table: expected [R, De], got shape {table.shape}")
+    values = jnp.take(table, rows, axis=0).astype(jnp.float32)  # [..., O, Ne, De]
+    return values.reshape(*rows.shape[:-2], -1)
+
+
 def engram_gate(
     streams: jax.Array,
     keys: jax.Array,
@@ -525,12 +535,17 @@ def engram_layer(
 ) -> jax.Array:
     """One Engram application on the stream state ``R [..., m, H]`` given the layer's rows ``[..., Nmax-1, Ne]``.
 
-    ``params``: ``embed`` (``{"weight": codes, "scale": scales}``), ``wkv`` (a linear weight dict, FP8 in a
-    checkpoint), ``q_weight`` and ``k_weight`` (``[m, H]``). The fetched rows are already FP8 values, so the
-    activation cast of the ``wkv`` GEMM leaves them unchanged.
+    ``params``: ``embed`` (``{"weight": codes, "scale": scales}``, or ``{"weight": table}`` unquantised in a
+    float-weight model), ``wkv`` (a linear weight dict, FP8 in a quantised checkpoint), ``q_weight`` and
+    ``k_weight`` (``[m, H]``). The fetched rows of an FP8 table are already FP8 values, so the activation cast of
+    the ``wkv`` GEMM leaves them unchanged.
     """
     m, H = streams.shape[-2:]
-    emb = engram_embed(params["embed"]["weight"], params["embed"]["scale"], rows)
+    table = params["embed"]
+    if "scale" in table:
+        emb = engram_embed(table["weight"], table["scale"], rows)
+    else:
+        emb = engram_embed_dense(table["weight"], rows)
     kv = linear(emb, params["wkv"], numerics, out_dtype=streams.dtype)
     if kv.shape[-1] != (m + 1) * H:
         raise ValueError(

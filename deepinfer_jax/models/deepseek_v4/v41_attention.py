@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.config.v41 import DeepseekV41Config
+from deepinfer_jax.models.common import taps
 from deepinfer_jax.models.common.linear import LinearNumerics, linear
 from deepinfer_jax.models.deepseek_v4.attention import grouped_output_projection
 from deepinfer_jax.models.deepseek_v4.compressor import indexer_select, visible_entries
@@ -246,6 +247,16 @@ def attention_prefix(
     keys, mask = window, jnp.broadcast_to(in_window, (b, s, s))
     if layer.is_compressed:
         ckeys, selected, cross = _compressed_part(p, x_hat, q_latent, positions, layer, spec, cross, numerics)
+        # For training objectives only (the indexer's distillation target); a no-op outside taps.collect().
+        taps.record(
+            "v41_attention",
+            layer=layer.layer,
+            x_hat=x_hat,
+            q_latent=q_latent,
+            queries=q,
+            compressed_keys=ckeys,
+            pre_rope=cross.pre_rope,
+        )
         keys = jnp.concatenate([keys, ckeys.astype(keys.dtype)], axis=1)
         mask = jnp.concatenate([mask, selected], axis=2)
 

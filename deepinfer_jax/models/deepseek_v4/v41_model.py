@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config.v41 import DeepseekV41Config
+from deepinfer_jax.models.common import taps
 from deepinfer_jax.models.common.embedding import embed_tokens, lm_head
 from deepinfer_jax.models.common.linear import LinearNumerics, linear
 from deepinfer_jax.models.common.mlp import swiglu
@@ -184,6 +185,7 @@ def moe_layer(p: Mapping[str, Any], x: jax.Array, static: V41Static) -> jax.Arra
         norm_topk_prob=True,
         routed_scaling_factor=static.routed_scaling_factor,
     )
+    taps.record("moe_routing", ids=routing.ids, num_experts=logits.shape[-1])  # training only (bias balance)
     out = get_op("moe_experts")(
         flat,
         routing,

@@ -21,8 +21,15 @@ resolves the optional ``model.`` prefix.
   GEMM, never as a whole; float32 parity mode is weight-only dequantisation, ``ARCHITECTURE.md`` §8);
 * the Engram compression map of the model's tokenizer (§9.1) as ``engram_compress int32 [V]``.
 
-The DSpark draft layers ``mtp.*`` are loaded into ``params["mtp"]`` with the same block structure; no forward
-reads them yet.
+The DSpark draft layers ``mtp.*`` are loaded into ``params["mtp"]`` with the same block structure.
+
+**Float-weight checkpoints** (no ``quantization_config``, e.g. a training run's float32 master weights): every
+tensor that a quantised checkpoint stores as FP8 or MXFP4 -- the projections, the routed experts (``[out, in]``,
+not packed), the Engram tables -- is stored unquantised in the config's ``dtype`` (``bfloat16`` or ``float32``),
+with no ``.scale`` companion, and so are the tensors a quantised checkpoint keeps in BF16. They assemble into
+dense linear dicts (``{"weight"}``; experts ``[E, out, in]``, the shared ``w13`` concatenated the same way) and a
+dense Engram table ``{"weight": [rows, De]}``, which the model functions run as unquantised GEMMs and a plain row
+gather (no activation round trip: that belongs to FP8 / MXFP4 GEMMs only).
 """
 
 from __future__ import annotations
@@ -85,29 +92,40 @@ def compute_dtype(dtype: Any) -> Any:
 
 
 class _Manifest:
-    """Collects ``name -> TensorSpec`` with the FP8 / MXFP4 ``.scale`` companions (§12.1)."""
+    """Collects ``name -> TensorSpec`` with the FP8 / MXFP4 ``.scale`` companions (§12.1).
+
+    Without a ``quantization_config`` (a float-weight checkpoint) the FP8 / MXFP4 positions are unquantised
+    ``[out, in]`` tensors in the checkpoint's ``dtype``, as are the tensors a quantised checkpoint keeps in BF16.
+    """
 
     def __init__(self, cfg: DeepseekV41Config) -> None:
         q = cfg.quantization
-        assert q is not None  # DeepseekV41Config refuses a config without quantization_config
-        self.block = tuple(q.weight_block_size)
+        self.block = tuple(q.weight_block_size) if q is not None else None
+        self.float_dtypes = _BF16 if q is None and cfg.checkpoint_dtype != "float32" else _F32
+        self.dense_dtypes = _BF16 if q is not None else self.float_dtypes
         self.out: dict[str, TensorSpec] = {}
 
     def put(self, name: str, shape: tuple[int | None, ...], dtypes: tuple[str, ...], optional: bool) -> None:
         self.out[name] = (tuple(shape), dtypes, optional)
 
     def dense(self, name: str, shape: tuple[int, ...], *, optional: bool = False) -> None:
-        self.put(name, shape, _BF16, optional)
+        self.put(name, shape, self.dense_dtypes, optional)
 
     def f32(self, name: str, shape: tuple[int, ...], *, optional: bool = False) -> None:
         self.put(name, shape, _F32, optional)
 
     def fp8(self, prefix: str, rows: int, cols: int, *, optional: bool = False) -> None:
+        if self.block is None:
+            self.put(f"{prefix}.weight", (rows, cols), self.float_dtypes, optional)
+            return
         br, bc = self.block
         self.put(f"{prefix}.weight", (rows, cols), _FP8, optional)
         self.put(f"{prefix}.scale", (-(-rows // br), -(-cols // bc)), _UE8M0, optional)
 
     def mxfp4(self, prefix: str, rows: int, cols: int) -> None:
+        if self.block is None:
+            self.put(f"{prefix}.weight", (rows, cols), self.float_dtypes, False)
+            return
         self.put(f"{prefix}.weight", (rows, cols // 2), _FP4, False)
         self.put(f"{prefix}.scale", (rows, cols // _MXFP4_GROUP), _UE8M0, False)
 
@@ -217,8 +235,11 @@ def expected_tensors(cfg: DeepseekV41Config) -> dict[str, TensorSpec]:
             De = cfg.engram_head_dim
             width = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * De
             e = f"{p}engram."
-            man.put(f"{e}embed.weight", (engram_rows[lp.layer], De), _FP8, False)
-            man.put(f"{e}embed.scale", (engram_rows[lp.layer], De // _MXFP4_GROUP), _UE8M0, False)
+            if man.block is None:
+                man.put(f"{e}embed.weight", (engram_rows[lp.layer], De), man.float_dtypes, False)
+            else:
+                man.put(f"{e}embed.weight", (engram_rows[lp.layer], De), _FP8, False)
+                man.put(f"{e}embed.scale", (engram_rows[lp.layer], De // _MXFP4_GROUP), _UE8M0, False)
             man.fp8(f"{e}wkv", (m + 1) * H, width)
             man.dense(f"{e}q_weight", (m, H))
             man.dense(f"{e}k_weight", (m, H))
@@ -359,6 +380,9 @@ class _Assembler:
         return jnp.asarray(self.named[name]).astype(jnp.float32).astype(self.fdtype)
 
     def fp8(self, prefix: str) -> dict[str, jax.Array]:
+        """An FP8 block-scaled linear (``{"weight", "scale"}`` bytes), or ``{"weight"}`` of a float checkpoint."""
+        if self.cfg.quantization is None:
+            return {"weight": self.dense(f"{prefix}.weight")}
         return {
             "weight": as_uint8(jnp.asarray(self.named[f"{prefix}.weight"]), f"{prefix}.weight"),
             "scale": as_uint8(jnp.asarray(self.named[f"{prefix}.scale"]), f"{prefix}.scale"),
@@ -369,14 +393,15 @@ class _Assembler:
 
         def one(e: int) -> dict[str, jax.Array]:
             part = self.fp8(f"{prefix}.{e}.{which}")
+            if self.cfg.quantization is None:
+                return part  # float checkpoint: {"weight": [out, in]}, stacked [E, out, in]
             return {"packed": part["weight"], "scale": part["scale"]}
 
         return stack_experts(experts, one)
 
     def shared(self, f: str) -> dict[str, Any]:
         cfg = self.cfg
-        assert cfg.quantization is not None
-        rows = int(cfg.quantization.weight_block_size[0])
+        rows = int(cfg.quantization.weight_block_size[0]) if cfg.quantization is not None else 1
         width = cfg.n_shared_experts * cfg.moe_intermediate_size
         if width % rows:
             raise ValueError(
@@ -385,7 +410,7 @@ class _Assembler:
             )
         w1, w3 = self.fp8(f"{f}shared_experts.w1"), self.fp8(f"{f}shared_experts.w3")
         return {
-            "w13": {k: jnp.concatenate([w1[k], w3[k]], axis=0) for k in ("weight", "scale")},
+            "w13": {k: jnp.concatenate([w1[k], w3[k]], axis=0) for k in w1},
             "down": self.fp8(f"{f}shared_experts.w2"),
         }
 
