@@ -198,17 +198,21 @@ class DeepseekV41Config(DeepseekV4BaseConfig):
             # A float-weight V4.1 (no quantization_config): every linear, the Engram tables and the experts are
             # stored unquantised in ``dtype``; float32 storage is allowed here (a float32 master checkpoint).
             if self.checkpoint_dtype not in ("bfloat16", "float32"):
+                key = self.checkpoint_dtype_key
                 raise ConfigValueError(
-                    f"dtype = {self.checkpoint_dtype!r}: a float-weight V4.1 checkpoint (no quantization_config) "
-                    "stores its tensors as 'bfloat16' or 'float32'",
-                    field="dtype",
+                    f"{key} = {self.checkpoint_dtype!r} (config.json's dtype of the checkpoint's unquantised "
+                    "tensors, not the engine's dtype setting): a float-weight V4.1 checkpoint (no "
+                    "quantization_config) stores its tensors as 'bfloat16' or 'float32'",
+                    field=key,
                 )
         else:
             if self.checkpoint_dtype != "bfloat16":
+                key = self.checkpoint_dtype_key
                 raise ConfigValueError(
-                    f"dtype = {self.checkpoint_dtype!r}: a quantised V4.1 checkpoint's unquantised tensors are "
-                    "'bfloat16'",
-                    field="dtype",
+                    f"{key} = {self.checkpoint_dtype!r} (config.json's dtype of the checkpoint's unquantised "
+                    "tensors, not the engine's dtype setting): a quantised V4.1 checkpoint's unquantised tensors "
+                    "are 'bfloat16'",
+                    field=key,
                 )
             for key, expected in V41_QUANTIZATION.items():
                 actual = getattr(self.quantization, key)

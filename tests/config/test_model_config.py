@@ -381,7 +381,7 @@ def test_v41_float_weights_without_quantization_config(hf):
         assert cfg.quantization is None and cfg.checkpoint_dtype == dtype
     d["dtype"] = "float16"
     with pytest.raises(
-        ValueError, match=r"dtype = 'float16': a float-weight V4.1 .* 'bfloat16' or 'float32'"
+        ValueError, match=r"dtype = 'float16' .*: a float-weight V4.1 .* 'bfloat16' or 'float32'"
     ):
         parse_hf_config(d, source="configs/tiny_v41.yaml")
 
