@@ -16,10 +16,13 @@ What this module adds:
   Anthropic's ``top_k``, and the vLLM-style extensions ``top_k``, ``min_p``, ``repetition_penalty``,
   ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``allowed_token_ids``, ``bad_words`` and DeepInfer's
   ``golden_token_ids`` (teacher forcing); Chat Completions' ``logit_bias`` (token id: bias in [-100, 100]);
-* the output constraint: ``response_format`` (JSON, JSON schema, regex) needs structured outputs, which the engine
-  does not have yet, so :func:`constraint_params` refuses it with a 400 naming ``response_format``; it is the one
-  place that maps a constraint to sampling parameters once structured outputs land. Tool calls are not
-  constrained (the model writes DSML freely) and are parsed by token id;
+* the output constraint: Chat's ``response_format`` and Responses' ``text.format`` (``json_schema``,
+  ``json_object``, and Chat's ``regex``), which the recipe reads into its output constraint (and describes in the
+  prompt), become ``SamplingParams.structured_outputs`` (:func:`constraint_params`): a JSON schema, any JSON object
+  for ``json_object``, a regex; in thinking mode the grammar applies after the ``</think>`` id, as in ``LLM.chat``.
+  A schema or regex llguidance cannot enforce is a 400 naming the field with llguidance's reason, and so is a
+  format given with tools (the recipe keeps only the tool-call constraint: the reply could not be held to both).
+  Tool calls are not constrained (the model writes DSML freely) and are parsed by token id;
 * the prompt encoding with the model's own template and vocabulary (:meth:`ChatEncoder.encode_request
   <deepinfer_jax.text.ChatEncoder.encode_request>`): message text is encoded as plain text, so special-token
   spellings a client types stay text;
@@ -51,6 +54,7 @@ from deepinfer_jax.engine.params import (
     derive_seed,
     validate_request,
 )
+from deepinfer_jax.engine.structured import StructuredOutputsParams
 from deepinfer_jax.server.errors import (
     APIError,
     check_fields,
@@ -215,23 +219,67 @@ class Prepared:
 # ------------------------------------------------------------------------------------------- preparation
 
 
-def constraint_params(constraint: Any) -> dict[str, Any]:
+_NO_CONSTRAINT = (None, "text")
+
+
+def _format_field(protocol: Protocol) -> str:
+    """The request field that carries the output format: Chat's ``response_format``, Responses' ``text.format``."""
+    return "text.format" if protocol is RESPONSES else "response_format"
+
+
+def _requested_format(protocol: Protocol, body: dict[str, Any]) -> str | None:
+    """The ``type`` of the output format the body asks for (``None`` or ``"text"``: free text)."""
+    if protocol is CHAT:
+        fmt = body.get("response_format")
+    elif protocol is RESPONSES:
+        text = body.get("text")
+        fmt = text.get("format") if isinstance(text, dict) else None
+    else:
+        return None
+    return fmt.get("type") if isinstance(fmt, dict) else None
+
+
+def constraint_params(
+    constraint: Any, *, think_end: int | None = None, field: str = "response_format"
+) -> dict[str, Any]:
     """The sampling parameters that enforce the recipe's output constraint (its ``kind`` and ``schema``).
 
-    Tool-call constraints (``tool_call``, ``tool_call_required``: the recipe sets one whenever tools are given)
-    are not enforced: the prompt tells the model how to call, and the reply's DSML is parsed by token id.
-    ``json`` and ``regex`` constraints (``response_format``) need structured outputs, which the engine does not have
-    yet: they are refused here, before anything runs. Structured outputs plug in here, returning their
-    ``SamplingParams`` fields for the constraint.
+    ``json`` with a schema (``json_schema``) or without one (``json_object``: any JSON object) and ``regex``
+    become ``structured_outputs`` (:class:`StructuredOutputsParams`, free whitespace allowed in JSON); with
+    ``think_end`` (thinking mode: the ``</think>`` id) the grammar applies only after that id, as in ``LLM.chat``,
+    so the reasoning stays free. A schema or regex llguidance cannot enforce is a 400 naming ``field`` with
+    llguidance's reason. Tool-call constraints (``tool_call``, ``tool_call_required``: the recipe sets one whenever
+    tools are given) are not enforced: the prompt tells the model how to call, and the reply's DSML is parsed by
+    token id.
     """
     if constraint is None or constraint.kind in ("tool_call", "tool_call_required"):
         return {}
-    raise APIError(
-        400,
-        f"response_format: a {constraint.kind} output constraint needs structured outputs, which this server does "
-        "not have yet; send the request without response_format",
-        param="response_format",
-    )
+    kind, schema = constraint.kind, constraint.schema
+    try:
+        if kind == "json" and not schema:
+            # OpenAI's JSON mode is an object; the recipe's JSON output parsing blanks a bare scalar reply
+            so = StructuredOutputsParams(json={"type": "object"})
+        elif kind == "json":
+            so = StructuredOutputsParams(json=schema)
+        elif kind == "regex":
+            so = StructuredOutputsParams(regex=schema)
+        else:
+            raise APIError(
+                400, f"{field}: the output constraint {kind!r} is not supported (json_schema, json_object, regex)",
+                param=field,
+            )  # fmt: skip
+    except ImportError as exc:
+        raise APIError(400, f"{field} cannot be enforced by this server: {exc}", param=field) from None
+    except (TypeError, ValueError) as exc:
+        what = "JSON schema" if kind == "json" else "regex"
+        message = str(exc)
+        _, sep, tail = message.partition(" is not a valid ")
+        # llguidance's reason, without the echo of the whole schema (the client sent it)
+        reason = tail.partition(": ")[2].strip() if sep else message.replace("StructuredOutputsParams.", "")
+        raise APIError(400, f"{field}: the {what} cannot be enforced: {reason}", param=field) from None
+    if think_end is not None:
+        so = so.with_trigger((think_end,))
+    return {"structured_outputs": so}
 
 
 def sampling_params(
@@ -305,11 +353,24 @@ def prepare(
         converted = request.convert(ctx.options)
         inference = converted.inference_options
         parsing = converted.parsing_options
-        extra = constraint_params(inference.output_constraint)
+        constraint = inference.output_constraint
+        field = _format_field(protocol)
+        requested = _requested_format(protocol, body)
+        if requested not in _NO_CONSTRAINT and constraint is None:
+            raise APIError(400, f"{field} of type {requested!r} is not supported", param=field)
+        if requested not in _NO_CONSTRAINT and constraint.kind in ("tool_call", "tool_call_required"):
+            raise APIError(
+                400,
+                f"{field} and tools both constrain the reply, and a reply cannot be held to both; give one, or "
+                "set tool_choice to 'none'",
+                param=field,
+            )
         try:
             encoded = ctx.encoder.encode_request(converted)
         except (TypeError, ValueError) as exc:
             raise APIError(400, f"the conversation cannot be encoded: {exc}") from None
+        think_end = ctx.encoder.marker_ids["</think>"] if encoded.thinking else None
+        extra = constraint_params(constraint, think_end=think_end, field=field)
         ids = list(encoded.token_ids)
         max_tokens = converted.resolve_max_tokens(len(ids), ctx.max_model_len)
         stream = converted.stream

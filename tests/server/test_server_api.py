@@ -8,8 +8,10 @@ or ``LLM.generate`` (completions) of the same request on the served engine (test
 from __future__ import annotations
 
 import json
+import re
 
 import httpx2
+import jsonschema
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -474,3 +476,84 @@ def test_chat_n_choices_are_the_seeded_samples(client, engine, stream):
     assert contents == [r.content for r in refs]
     assert usage.prompt_tokens == refs[0].usage["prompt_tokens"]
     assert usage.completion_tokens == sum(r.usage["completion_tokens"] for r in refs)
+
+
+# ------------------------------------------------------------------------------------------- response_format
+
+# Bounded so that random weights can finish the object within a few tokens (as tests/engine/test_engine_structured.py).
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+JSON_QUESTION = [{"role": "user", "content": "a person as json"}]
+
+
+@pytest.fixture(scope="module")
+def no_whitespace(engine):
+    """A ``logit_bias`` that bans the whitespace-only tokens: the grammar allows free whitespace between JSON
+    tokens (as OpenAI's and vLLM's JSON modes do), which random weights would otherwise fill the token limit with."""
+    tokenizer = engine.llm.tokenizer
+    ids = [
+        i for i in range(tokenizer.vocab_size) if (s := tokenizer.decode([i])) and set(s) <= set(" \t\n\r")
+    ]
+    assert len(ids) >= 4  # at least the four JSON whitespace characters
+    return {str(i): -100 for i in ids}
+
+
+def test_response_format_json_schema_is_enforced(client, engine, no_whitespace):
+    """The reply stops, parses and validates against the schema (random weights: only the grammar makes it JSON),
+    streamed or not. The recipe puts the schema in the prompt (a longer prompt than the plain question's)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    replies = [
+        _chat(client, stream, messages=JSON_QUESTION, seed=3, max_tokens=40, response_format=fmt, logit_bias=no_whitespace)
+        for stream in (False, True)
+    ]  # fmt: skip
+    for content, reasoning, calls, finish, _ in replies:
+        assert finish == "stop" and reasoning is None and calls == [], content
+        jsonschema.validate(json.loads(content), PERSON)
+    (content, *_, usage), (streamed, *_, streamed_usage) = replies
+    assert streamed == content and streamed_usage.completion_tokens == usage.completion_tokens
+    plain = offline_chat(engine, JSON_QUESTION, SamplingParams(max_tokens=1))
+    assert usage.prompt_tokens > plain.usage["prompt_tokens"]
+
+
+def test_response_format_json_object_regex_responses_and_thinking(client, engine, no_whitespace):
+    r = client.chat.completions.create(
+        model="tiny-v3", messages=JSON_QUESTION, seed=3, max_tokens=24, logit_bias=no_whitespace,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "stop", r
+    assert isinstance(json.loads(r.choices[0].message.content), dict)  # JSON mode: an object
+    r = client.chat.completions.create(
+        model="tiny-v3", messages=HELLO, seed=1, max_tokens=12,
+        response_format={"type": "regex", "regex": "[a-z]{2,4}-[0-9]"},  # the recipe's regex extension
+    )  # fmt: skip
+    assert r.choices[0].finish_reason == "stop" and re.fullmatch(
+        "[a-z]{2,4}-[0-9]", r.choices[0].message.content
+    )
+    # Responses' text.format (Responses has no logit_bias: allowed_token_ids bans the whitespace tokens there).
+    allowed = [i for i in range(engine.llm.tokenizer.vocab_size) if str(i) not in no_whitespace]
+    response = client.responses.create(
+        model="tiny-v3", input="a person as json", max_output_tokens=40,
+        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}},
+        extra_body={"seed": 3, "allowed_token_ids": allowed},
+    )  # fmt: skip
+    assert response.status == "completed", response
+    jsonschema.validate(json.loads(response.output_text), PERSON)
+    # Thinking: the grammar starts after </think>, so the reasoning is free (here one forced letter, then the
+    # forced </think>); the answer is JSON.
+    letter = engine.llm.tokenizer.encode("q")
+    r = client.chat.completions.create(
+        model="tiny-v3", messages=JSON_QUESTION, seed=1, max_tokens=24, logit_bias=no_whitespace,
+        response_format={"type": "json_object"},
+        extra_body={"thinking": {"type": "enabled"}, "golden_token_ids": [*letter, END_THINK]},
+    )  # fmt: skip
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "stop", r
+    assert (message.model_extra or {}).get("reasoning_content") == "q"
+    assert isinstance(json.loads(message.content), dict)

@@ -18,6 +18,18 @@ from server_helpers import API_KEY, BODY_LIMIT, assert_engine_empty  # tests/ser
 
 HELLO = [{"role": "user", "content": "hi"}]
 JSON_ASK = [{"role": "user", "content": "answer in json"}]
+# A schema the recipe accepts (it is valid JSON Schema) but no value satisfies: llguidance refuses it.
+UNSATISFIABLE = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "n",
+        "schema": {
+            "type": "object",
+            "properties": {"v": {"type": "integer", "minimum": 5, "maximum": 1}},
+            "required": ["v"],
+        },
+    },
+}
 
 
 def _wait_until(predicate, timeout_s: float = 120.0) -> None:
@@ -166,12 +178,51 @@ BAD_REQUESTS = [
         ["99999", "512"],
     ),
     (
-        "response_format",
+        "response_format json_schema llguidance cannot enforce",
         CHAT,
-        {"model": "tiny-v3", "messages": JSON_ASK, "response_format": {"type": "json_object"}},
+        {"model": "tiny-v3", "messages": JSON_ASK, "response_format": UNSATISFIABLE},
         400,
         "response_format",
-        ["structured outputs"],
+        ["JSON schema cannot be enforced", "required property 'v' is unsatisfiable"],
+    ),
+    (
+        "response_format regex that does not parse",
+        CHAT,
+        {"model": "tiny-v3", "messages": HELLO, "response_format": {"type": "regex", "regex": "[a-z"}},
+        400,
+        "response_format",
+        ["regex cannot be enforced", "unclosed character class"],
+    ),
+    (
+        "response_format with tools",
+        CHAT,
+        {
+            "model": "tiny-v3",
+            "messages": JSON_ASK,
+            "response_format": {"type": "json_object"},
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        },
+        400,
+        "response_format",
+        ["response_format and tools both constrain the reply", "tool_choice"],
+    ),
+    (
+        "text.format json_schema llguidance cannot enforce",
+        "/v1/responses",
+        {
+            "model": "tiny-v3",
+            "input": "answer in json",
+            "text": {
+                "format": {
+                    "type": "json_schema",
+                    "name": "n",
+                    "schema": UNSATISFIABLE["json_schema"]["schema"],
+                }
+            },
+        },
+        400,
+        "text.format",
+        ["JSON schema cannot be enforced", "required property 'v' is unsatisfiable"],
     ),
     (
         "json_object without asking for JSON",
