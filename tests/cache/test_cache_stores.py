@@ -19,7 +19,7 @@ CASES = [
 
 @pytest.mark.parametrize(("kind", "use_fp4", "name"), CASES)
 def test_record_stores_write_through_kv_store_records_as_encode_does(kind, use_fp4, name):
-    store = key_store(kind, 64, "bfloat16", dtype="bfloat16", use_fp4=use_fp4)
+    store = key_store(kind, 64, "quantized", use_fp4=use_fp4)
     assert store.op_format == name and store.encodes_in_ops
     keys = jnp.asarray(np.random.default_rng(0).standard_normal((5, 64)) * 3, jnp.float32)
     pages = store.zeros(4, 2)
@@ -35,7 +35,7 @@ def test_record_stores_write_through_kv_store_records_as_encode_does(kind, use_f
 
 @pytest.mark.parametrize("cast", ["none", "mxfp8", "fp4_e4m3", "mxfp4"])
 def test_plain_stores_take_the_cast_values(cast):
-    store = key_store("window", 64, "float32", dtype="float32", cast=cast)
+    store = key_store("window", 64, "float32", cast=cast)
     assert store.op_format is None and store.encodes_in_ops == (cast == "none")
     keys = jnp.asarray(np.random.default_rng(1).standard_normal((3, 64)), jnp.float32)
     got = kv_store_records(store.zeros(2, 2), store.op_values(keys), jnp.asarray([3, 0, 1]), key_format=None)
