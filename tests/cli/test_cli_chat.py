@@ -98,6 +98,7 @@ def test_json_output(capsys, llm, tmp_path):
         "prompt_token_ids",
         "token_ids",
         "logprobs",
+        "parsed",
     }
     assert record["reasoning_content"] is None
     # The tool definition is part of the prompt.

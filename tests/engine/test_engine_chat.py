@@ -7,6 +7,7 @@ ids (reasoning, ``</think>``, answer, a DSML tool call, EOS) whose expected text
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -72,7 +73,13 @@ def _reference(llm: LLM, encoded: EncodedChat, params: SamplingParams) -> tuple[
     )[0].outputs[0]
     parser = encoded.output_parser()
     parser.push(completion.token_ids)
-    return completion.token_ids, parser.finish(completion.finish_reason)
+    parsed = dataclasses.replace(
+        parser.finish(completion.finish_reason),
+        prompt_token_ids=tuple(encoded.token_ids),
+        token_ids=tuple(completion.token_ids),
+        logprobs=completion.logprobs,
+    )
+    return completion.token_ids, parsed
 
 
 def _plain_text(tokenizer: Tokenizer, ids: list[int]) -> str:
