@@ -95,7 +95,7 @@ def _pages(name, model, cache_dtype):
 
 def test_float_cache_holds_the_decoded_records(family):
     name, model = family
-    plain, records = _pages(name, model, "float32"), _pages(name, model, "bfloat16")
+    plain, records = _pages(name, model, "float32"), _pages(name, model, "quantized")
     assert len(plain) == len(records) >= 3
     for (p_store, p_pages), (r_store, r_pages) in zip(plain, records, strict=True):
         assert not p_store.encodes_in_ops and p_store.cast != "none"  # the chain + plain store path
