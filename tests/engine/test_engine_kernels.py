@@ -175,9 +175,7 @@ def test_strict_refuses_a_backend_that_cannot_run_naming_the_op(settings, match)
 @functools.cache
 def _production(name: str) -> LLM:
     """The production precision: bf16 weights, the record caches (V3: the FP8 latent)."""
-    return LLM(
-        name, dtype="bfloat16", kv_cache_dtype="quantized" if name == "tiny-v3" else "bfloat16", **ENGINE
-    )
+    return LLM(name, dtype="bfloat16", kv_cache_dtype="quantized", **ENGINE)
 
 
 def _step_structs(llm: LLM):
