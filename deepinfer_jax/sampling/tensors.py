@@ -193,7 +193,7 @@ class SamplingTensors(NamedTuple):
             row = checked.get(id(p))
             if row is None:
                 row = checked[id(p)] = _check_row(p, j, vocab)
-            temp, top_p, top_k, min_p, rep, pres, freq, min_tokens, stops = row
+            temp, top_p, top_k, min_p, rep, pres, freq, min_tokens, stops, bias, allowed = row
             out["temperature"][i] = temp
             out["top_p"][i] = top_p
             out["top_k"][i] = top_k
@@ -216,13 +216,10 @@ class SamplingTensors(NamedTuple):
             if extra_masked_ids is not None and extra_masked_ids[j]:
                 row_mask.update(_id_list(f"{field}.bad_words", extra_masked_ids[j], vocab))
             masks.append(sorted(row_mask))
-            bias = getattr(p, "logit_bias", None)
-            if bias:
-                ids = _id_list(f"{field}.logit_bias", [t for t, _ in bias], vocab)
-                biases.append((i, ids, [float(b) for _, b in bias]))
-            allowed = getattr(p, "allowed_token_ids", None)
-            if allowed:
-                allows.append((i, _id_list(f"{field}.allowed_token_ids", allowed, vocab)))
+            if bias is not None:
+                biases.append((i, *bias))
+            if allowed is not None:
+                allows.append((i, allowed))
             golden = getattr(p, "golden_token_ids", None)
             if golden is not None and outs[j] < len(golden):
                 token = _id_list(f"params_list[{j}].golden_token_ids", (golden[outs[j]],), vocab)[0]
@@ -277,7 +274,8 @@ def _width(needed: int) -> int:
 
 
 def _check_row(p: Any, j: int, vocab: int) -> tuple[Any, ...]:
-    """Row ``j``'s checked parameters: the device values of its fields, ``min_tokens`` and its stop ids."""
+    """Row ``j``'s checked parameters: the device values of its fields, ``min_tokens``, its stop ids, and its
+    ``logit_bias`` (ids, values) and ``allowed_token_ids`` (``None`` when unset)."""
     missing = [f for f in ROW_FIELDS if not hasattr(p, f)]
     if missing:
         raise TypeError(
@@ -302,7 +300,14 @@ def _check_row(p: Any, j: int, vocab: int) -> tuple[Any, ...]:
             f"SamplingTensors.build: {field}.ignore_eos must be a bool, got {type(p.ignore_eos).__name__}"
         )
     stops = _id_list(f"{field}.stop_token_ids", p.stop_token_ids or (), vocab)
-    return temp, top_p, vocab if k <= 0 else min(k, vocab), min_p, rep, pres, freq, min_tokens, stops
+    pairs = getattr(p, "logit_bias", None)
+    bias = None
+    if pairs:
+        bias = (_id_list(f"{field}.logit_bias", [t for t, _ in pairs], vocab), [float(b) for _, b in pairs])
+    ids = getattr(p, "allowed_token_ids", None)
+    allowed = _id_list(f"{field}.allowed_token_ids", ids, vocab) if ids else None
+    k = vocab if k <= 0 else min(k, vocab)
+    return temp, top_p, k, min_p, rep, pres, freq, min_tokens, stops, bias, allowed
 
 
 def _neutral(rows: int, vocab: int) -> dict[str, np.ndarray]:
