@@ -11,11 +11,9 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 _flags = os.environ.get("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
-# A persistent compilation cache shared by test runs (scripts/test points it at .jax_cache/).
-os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".jax_cache")
-)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# No persistent compilation cache unless the caller asks for one (JAX_COMPILATION_CACHE_DIR): in full runs of
+# this suite XLA:CPU segfaulted while serialising an executable for the cache (jax 0.12.0.1,
+# ``compilation_cache.put_executable_and_time``), in three of three runs; see docs/foundation.md.
 # Built-in tiny models are materialised once per checkout, shared by all xdist workers (file-locked).
 os.environ.setdefault(
     "DEEPINFER_JAX_CACHE",

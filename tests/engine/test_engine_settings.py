@@ -160,6 +160,8 @@ def test_the_transfer_guard_catches_an_implicit_transfer_in_the_loop():
 def test_profile_dir_and_kernel_cache_dir(tmp_path, reference):
     profile, cache = tmp_path / "profile", tmp_path / "jit"
     before = jax.config.jax_compilation_cache_dir
+    min_time = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # whatever the step's compile time
     try:
         # Blocks of 8 tokens: a program no other test compiled in this process (a program compiled before is
         # served from memory and never reaches the new directory).
@@ -169,6 +171,7 @@ def test_profile_dir_and_kernel_cache_dir(tmp_path, reference):
         assert _tokens(llm) == reference
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)
         compilation_cache.reset_cache()
     assert list(profile.rglob("*.xplane.pb")), "a profiler trace of the generate call"
     assert any(cache.iterdir()), "the step's compiled program in the persistent cache"

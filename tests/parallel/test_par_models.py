@@ -69,6 +69,8 @@ def _cases():
     for name in ("tiny-v3", "tiny-v4", "tiny-v41"):
         marks = [pytest.mark.slow] if name in _SLOW_FAMILIES else []
         for dp, ep in MESHES:
+            if name == "tiny-v41" and (dp, ep) != MESHES[0]:
+                continue  # ~30 s of compilation; V4.1's expert layer is V4's, checked on both meshes
             yield pytest.param(name, dp, ep, id=f"{name}-dp{dp}-ep{ep}", marks=marks)
 
 
