@@ -40,10 +40,11 @@ BLOCKS = 4  # per device: 3 usable blocks of 16 tokens, fewer than two of the lo
 
 on_every_mesh = pytest.mark.parametrize("mesh", MESHES, ids=MESH_IDS)
 every_family = pytest.mark.parametrize("name", FAMILIES)
-# Behaviours of the engine's own layers (prompt logprobs, batch invariance, bf16 on the mesh) are checked on the
-# mesh for V3 and V4; V4.1 runs them on one device and the mesh's batch and preemption test above. Each V4.1
-# engine costs ~25 s of XLA compilation on 2 cores, and its mesh path differs from V4's only in the paged model,
-# which the batch test on the mesh and tests/parallel/test_par_models.py already compare with one device.
+# The batch-invariant mode and bf16 on the mesh (each its own engine) are checked on the mesh for V3 and V4;
+# V4.1 runs them on one device, and on the mesh its float32 engine runs the batch, preemption, admission and
+# prompt-logprob tests. Each V4.1 engine costs ~25 s of XLA compilation on 2 cores, and its mesh path differs
+# from V4's only in the paged model, which those tests and tests/parallel/test_par_models.py compare with one
+# device.
 every_family_on_the_mesh_but_v41 = pytest.mark.parametrize(
     "name,mesh",
     [(n, m) for n in FAMILIES for m in MESHES if m == (1, 1) or n != "tiny-v41"],
@@ -169,7 +170,8 @@ def test_requests_admitted_while_the_engine_runs(name, mesh):
     assert any(a > started for a in run.admitted), "some requests must join a running engine"
 
 
-@every_family_on_the_mesh_but_v41
+@on_every_mesh
+@every_family
 def test_prompt_logprobs_equal_the_full_forward(name, mesh):
     """``prompt_logprobs`` across prefill chunks (a 40-token prompt in 16-token steps) beside requests that do not
     ask: vLLM's shape (None, then one dict per prompt token) with the full forward's log-softmax."""
