@@ -4,16 +4,21 @@ JAX reads its platform and XLA flags when it first initialises a backend, so the
 any test module imports jax: every test runs on the CPU with 8 virtual devices (sharding tests need them).
 """
 
+import gc
 import os
 import time
+
+import pytest
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 _flags = os.environ.get("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
-# No persistent compilation cache unless the caller asks for one (JAX_COMPILATION_CACHE_DIR): in full runs of
-# this suite XLA:CPU segfaulted while serialising an executable for the cache (jax 0.12.0.1,
-# ``compilation_cache.put_executable_and_time``), in three of three runs; see docs/foundation.md.
+# A persistent compilation cache shared by test runs (scripts/test points it at .jax_cache/).
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".jax_cache")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 # Built-in tiny models are materialised once per checkout, shared by all xdist workers (file-locked).
 os.environ.setdefault(
     "DEEPINFER_JAX_CACHE",
@@ -26,3 +31,27 @@ _START = time.monotonic()
 
 def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"deepinfer_jax suite wall time: {time.monotonic() - _START:.1f} s")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a module's last test (its module fixtures are torn down by then), drop what keeps its compiled
+    programs alive: the module's own ``functools.cache`` results (engines, models) and JAX's in-memory
+    compilation caches.
+
+    Without this one xdist worker accumulates every compiled executable of the run: XLA:CPU maps each one's code
+    and constants separately, and near the end of a full run a worker held ~57,000 memory mappings against the
+    kernel's default limit of 65,530 (``vm.max_map_count``); past it, an ``mmap`` inside XLA fails and the
+    worker dies (a segfault serialising an executable, or an abort while compiling one)."""
+    module = getattr(item, "module", None)
+    if module is None or (nextitem is not None and getattr(nextitem, "module", None) is module):
+        return
+    for obj in list(vars(module).values()):
+        if getattr(obj, "__module__", None) == module.__name__ and callable(
+            getattr(obj, "cache_clear", None)
+        ):
+            obj.cache_clear()
+    import jax  # here, not at the top: the environment above must be set before jax is imported
+
+    jax.clear_caches()
+    gc.collect()
