@@ -47,8 +47,12 @@ every_family = pytest.mark.parametrize("name", FAMILIES)
 # device.
 every_family_on_the_mesh_but_v41 = pytest.mark.parametrize(
     "name,mesh",
-    [(n, m) for n in FAMILIES for m in MESHES if m == (1, 1) or n != "tiny-v41"],
-    ids=[f"{n}-{i}" for n in FAMILIES for m, i in zip(MESHES, MESH_IDS) if m == (1, 1) or n != "tiny-v41"],
+    [
+        pytest.param(n, m, id=f"{n}-{i}")
+        for n in FAMILIES
+        for m, i in zip(MESHES, MESH_IDS, strict=True)
+        if m == (1, 1) or n != "tiny-v41"
+    ],
 )
 
 
