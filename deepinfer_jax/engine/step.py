@@ -494,10 +494,8 @@ class StepExecutor:
         )()
 
     def _place(self, inputs: Any) -> Any:
-        """The packed numpy buffers as global arrays on the mesh, copied explicitly (the transfer guard allows it)."""
-        if self._sharding.is_fully_addressable:
-            return jax.device_put(inputs, self._sharding)
-        # Each process copies its own shards (make_array_from_callback): explicit, but the guard cannot tell.
+        """The packed numpy buffers as global arrays on a mesh spanning processes: each process copies its own
+        shards (make_array_from_callback), explicit, but the guard cannot tell."""
         with jax.transfer_guard("allow"):
             return jax.tree.map(lambda a: place_on_mesh(a, self._sharding), inputs)
 
@@ -537,6 +535,14 @@ class StepExecutor:
                 f"plan: block tables of width {plan.max_blocks_per_seq}, the executor's is {self.max_blocks_per_seq}"
             )
         packed, layout = pack_inputs(inputs)
+        if self._sharding.is_fully_addressable:
+            # The compiled call copies the numpy buffers to their input sharding in its own (C++) dispatch: about
+            # 1 ms per step cheaper on XLA:CPU than a jax.device_put before it. This copy is the step's input,
+            # so it is allowed here; the transfer guard still catches every other implicit transfer of the loop.
+            fn = self._executable(plan, packed, layout)
+            with jax.transfer_guard_host_to_device("allow"):
+                self.cache, self.state, out = fn(self.params, self.cache, self.state, packed)
+            return out
         placed = self._place(packed)
         fn = self._executable(plan, placed, layout)
         self.cache, self.state, out = fn(self.params, self.cache, self.state, placed)

@@ -110,7 +110,9 @@ def reference_scorer(
     """The jnp scorer: ``Σ_h w · ReLU(q · k)`` in float32 (``HIGHEST``), one page of the chunk at a time.
 
     Each page's records are gathered for every token and decoded (``[T, E, Di]`` float32), so the working set is
-    one page per token whatever the chunk; the chunk's scores ``[T, num_entries]`` are what the merge needs.
+    one page per token whatever the chunk; the chunk's scores ``[T, num_entries]`` are what the merge needs. Pages
+    past every token's ``limit`` are not scored (their columns stay ``-inf``), so a decode step over short contexts
+    costs the pages they hold, not the chunk's 2048 entries.
     """
     per_page = pages.shape[1]
     if num_entries % per_page:
@@ -118,8 +120,8 @@ def reference_scorer(
             f"v4_indexer_topk: a chunk of {num_entries} entries is not whole pages of {per_page}"
         )
 
-    def one(i: jax.Array) -> jax.Array:
-        return _page_scores(
+    def one(i: jax.Array, out: jax.Array) -> jax.Array:
+        s = _page_scores(
             q,
             weights,
             pages,
@@ -131,9 +133,15 @@ def reference_scorer(
             key_format=key_format,
             candidate_block_size=candidate_block_size,
         )
+        return lax.dynamic_update_slice_in_dim(out, s, i * per_page, axis=1)
 
-    scores = lax.map(one, jnp.arange(num_entries // per_page, dtype=jnp.int32))  # [P, T, E]
-    return jnp.moveaxis(scores, 0, 1).reshape(q.shape[0], num_entries)
+    # Only the chunk's pages some token can see are scored (a short context in a long chunk costs its pages, not
+    # the chunk's); the rest stay -inf, as _page_scores would have made them.
+    pages_in_chunk = num_entries // per_page
+    seen = jnp.max(limit, initial=0).astype(jnp.int32) - first
+    trips = jnp.clip((seen + per_page - 1) // per_page, 0, pages_in_chunk)
+    init = jnp.full((q.shape[0], num_entries), -jnp.inf, jnp.float32)
+    return lax.fori_loop(0, trips, one, init)
 
 
 def streaming_topk(
@@ -196,10 +204,14 @@ def _check(q: Any, weights: Any, pages: Any, block_tables: Any, rows: Any, limit
         raise ValueError(f"v4_indexer_topk: k (index_topk) must be an int >= 1, got {k!r}")
 
 
-def chunk_for(per_page: int, chunk_pages: int | None) -> int:
-    """Entries per streaming step: ``chunk_pages`` pages, or about :data:`DEFAULT_CHUNK_ENTRIES`."""
+def chunk_for(per_page: int, chunk_pages: int | None, max_blocks: int | None = None) -> int:
+    """Entries per streaming step: ``chunk_pages`` pages, or about :data:`DEFAULT_CHUNK_ENTRIES` but no more than
+    a row's whole table (``max_blocks`` pages): a shorter table is one step, with no merge over columns that
+    cannot exist."""
     if chunk_pages is None:
         chunk_pages = max(1, DEFAULT_CHUNK_ENTRIES // per_page)
+        if max_blocks is not None:
+            chunk_pages = max(1, min(chunk_pages, max_blocks))
     if isinstance(chunk_pages, bool) or not isinstance(chunk_pages, int) or chunk_pages < 1:
         raise ValueError(f"v4_indexer_topk: chunk_pages must be an int >= 1, got {chunk_pages!r}")
     return chunk_pages * per_page
@@ -231,7 +243,7 @@ def v4_indexer_topk(
       k: ``index_topk``.
       score_dtype: the dtype scores are materialised in before they compete.
       candidates, candidate_block_size: the candidate-block mask ``[T, NB]`` of a candidate consumer (§7.6).
-      chunk_pages: block-table columns scored per step (default: about 2048 entries).
+      chunk_pages: block-table columns scored per step (default: about 2048 entries, at most the whole table).
     """
     q, weights, pages, block_tables, rows, limit = (
         jnp.asarray(a) for a in (q, weights, pages, block_tables, rows, limit)
@@ -249,7 +261,7 @@ def v4_indexer_topk(
         limit.astype(jnp.int32),
         k=k,
         score_dtype=score_dtype,
-        chunk_entries=chunk_for(pages.shape[1], chunk_pages),
+        chunk_entries=chunk_for(pages.shape[1], chunk_pages, block_tables.shape[1]),
         candidates=candidates,
         key_format=key_format,
         candidate_block_size=candidate_block_size,

@@ -53,7 +53,9 @@ def _dense(keys, q, w, allowed_extra=None, dtype=np.float32):
     return np.where(np.isfinite(top), order, -1), scores
 
 
-@pytest.mark.parametrize("chunk_pages", [1, 3])
+# 3: a chunk boundary inside rows; 8: a chunk wider than every context (pages past the longest are not scored);
+# None: the default, capped at the table's 4 pages.
+@pytest.mark.parametrize("chunk_pages", [1, 3, 8, None])
 def test_streaming_topk_equals_the_dense_selection(case, chunk_pages):
     pages, keys, q, w = case
     want, _ = _dense(keys, q, w)
