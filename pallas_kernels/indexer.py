@@ -28,7 +28,8 @@ from pallas_kernels._records import RecordLayout, decode_bytes, record_layout
 
 __all__ = ["IndexerTiles", "v4_indexer_scores", "v4_indexer_topk"]
 
-# Entries scored per streaming step when chunk_pages is not given (as the reference op's default).
+# Entries scored per streaming step when chunk_pages is not given, at most the whole table (as the reference op's
+# default).
 _CHUNK_ENTRIES = 2048
 
 
@@ -204,7 +205,7 @@ def v4_indexer_topk(
 
     tokens = q.shape[0]
     if chunk_pages is None:
-        chunk_pages = max(1, _CHUNK_ENTRIES // per_page)
+        chunk_pages = max(1, min(_CHUNK_ENTRIES // per_page, block_tables.shape[1]))
     chunk = chunk_pages * per_page
     rows, limit = rows.astype(jnp.int32), limit.astype(jnp.int32)
 

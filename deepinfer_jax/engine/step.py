@@ -31,6 +31,7 @@ Batch-invariant mode runs every per-token computation in fixed tiles of
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -539,13 +540,12 @@ class StepExecutor:
             # The compiled call copies the numpy buffers to their input sharding in its own (C++) dispatch: about
             # 1 ms per step cheaper on XLA:CPU than a jax.device_put before it. This copy is the step's input,
             # so it is allowed here; the transfer guard still catches every other implicit transfer of the loop.
-            fn = self._executable(plan, packed, layout)
-            with jax.transfer_guard_host_to_device("allow"):
-                self.cache, self.state, out = fn(self.params, self.cache, self.state, packed)
-            return out
-        placed = self._place(packed)
-        fn = self._executable(plan, placed, layout)
-        self.cache, self.state, out = fn(self.params, self.cache, self.state, placed)
+            args, guard = packed, jax.transfer_guard_host_to_device("allow")
+        else:
+            args, guard = self._place(packed), contextlib.nullcontext()
+        fn = self._executable(plan, args, layout)
+        with guard:
+            self.cache, self.state, out = fn(self.params, self.cache, self.state, args)
         return out
 
     def recover(self) -> bool:
