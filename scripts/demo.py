@@ -10,13 +10,16 @@ the full forward's, and two seeded samples share the batch. Last, the same promp
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 
 import numpy as np
 
 from deepinfer_jax import cache
 from deepinfer_jax import config as config_lib
 from deepinfer_jax.models import builtin
+from deepinfer_jax.ops import compile_cache
 from deepinfer_jax.text.detokenize import IncrementalDetokenizer
 from deepinfer_jax.text.tokenizer import Tokenizer
 
@@ -29,7 +32,12 @@ def main() -> int:
     parser.add_argument("--model", default="shakespeare-v41", choices=builtin.list_builtin())
     parser.add_argument("--max_tokens", type=int, default=48)
     args = parser.parse_args()
+    start = time.perf_counter()
 
+    # Compiled programs go to the persistent compilation cache ($DEEPINFER_JIT_CACHE_DIR, else
+    # $DEEPINFER_JAX_CACHE/jit): a second run of the demo compiles nothing.
+    jit_dir = compile_cache.configure(directory=os.environ.get("DEEPINFER_JIT_CACHE_DIR") or None)
+    print(f"[demo] compiled programs cached in {jit_dir}")
     record = builtin.get_builtin(args.model)
     print(f"[demo] model {args.model}: {record.description}")
     path = builtin.materialize(args.model)
@@ -95,6 +103,12 @@ def main() -> int:
     print(
         f"[demo] LLM.chat -> {reply.usage['completion_tokens']} tokens, finish_reason={reply.finish_reason}: "
         f"{reply.content!r}"
+    )
+    hits, traces = compile_cache.counters(), compile_cache.trace_counters()
+    print(
+        f"[demo] done in {time.perf_counter() - start:.1f} s; persistent compilation cache: {hits.hits} programs "
+        f"read ({hits.saved_seconds:.1f} s of compiling saved), {hits.misses} compiled; traced programs: "
+        f"{traces.hits} read, {traces.misses} traced"
     )
     return 0 if same else 1
 

@@ -98,7 +98,8 @@ def format_report(report: dict[str, Any]) -> str:
     rows.append(
         (
             "compilations",
-            f"{wu['compile_count']} in warm-up ({wu['compile_seconds']:.2f} s), {e['compile_count']} while measured",
+            f"{wu['compile_count']} in warm-up ({wu['compile_seconds']:.2f} s, "
+            f"{wu.get('compile_cache_hits', 0)} from the persistent cache), {e['compile_count']} while measured",
         )
     )
     if "server" in report:

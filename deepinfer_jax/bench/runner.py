@@ -165,6 +165,7 @@ class EngineBench:
         self.requests: list[Request] = w.requests(cfg.vocab_size)
         self.compile_count = 0
         self.compile_seconds = 0.0
+        self.compile_cache_hits = 0
 
     def model_dir(self) -> str:
         """The model folder (what a baseline loads)."""
@@ -204,7 +205,7 @@ class EngineBench:
         counts and the generated tokens (in request order), and for an online run its request rates."""
         timer = StepTimer()
         outputs: list[RequestOutput] = []
-        steps = compiles = 0
+        steps = compiles = hits = 0
         compile_s = 0.0
         wall = 0.0
         online: dict[str, Any] | None = None
@@ -223,10 +224,11 @@ class EngineBench:
                 )
                 outputs = result.outputs
                 wall = result.wall_seconds
-                steps, compiles, compile_s = (
+                steps, compiles, compile_s, hits = (
                     result.stats.steps,
                     result.stats.compile_count,
                     result.stats.compile_seconds,
+                    result.stats.compile_cache_hits,
                 )
                 online = result.summary(w.request_rate, w.burstiness)
             else:
@@ -244,18 +246,21 @@ class EngineBench:
                     steps += stats.steps
                     compiles += stats.compile_count
                     compile_s += stats.compile_seconds
+                    hits += stats.compile_cache_hits
         for o in outputs:
             if o.outputs[0].finish_reason == "error":
                 # A failed request would make every number of the run meaningless: stop here.
                 raise RuntimeError(f"request {o.request_id} failed: {o.outputs[0].error}")
         self.compile_count += compiles
         self.compile_seconds += compile_s
+        self.compile_cache_hits += hits
         metrics = run_metrics([RequestTiming.from_output(o) for o in outputs], wall)
         run: dict[str, Any] = {
             "metrics": metrics.to_dict(),
             "steps": steps,
             "compile_count": compiles,
             "compile_seconds": compile_s,
+            "compile_cache_hits": hits,
             "step_timing": timer.to_dict()
             if measure_steps
             else {"available": False, "reason": "not measured"},
@@ -311,6 +316,7 @@ class HTTPBench:
         self.requests: list[Request] = workload.requests(vocab)
         self.compile_count = 0
         self.compile_seconds = 0.0
+        self.compile_cache_hits = 0
 
     def run(self, *, measure_steps: bool = True) -> dict[str, Any]:
         w = self.workload
@@ -351,6 +357,7 @@ class HTTPBench:
             "steps": steps,
             "compile_count": 0,
             "compile_seconds": 0.0,
+            "compile_cache_hits": 0,
             "step_timing": {
                 "available": False,
                 "reason": "a server run: its steps are not visible to the client",
@@ -417,6 +424,8 @@ def run_benchmark(
         "seconds": time.perf_counter() - warm_start,
         "compile_count": bench.compile_count,
         "compile_seconds": bench.compile_seconds,
+        "compile_cache_hits": bench.compile_cache_hits,
+        "compile_cache_dir": getattr(getattr(bench, "llm", None), "compile_cache_dir", None),
     }
     baseline = None
     if baseline_python is not None:
@@ -514,6 +523,8 @@ def _engine_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "seq_tokens_per_s_p50": med("seq_tokens_per_s", "p50"),
         "steps": _median([r["steps"] for r in runs if r["steps"] is not None]),
         "compile_count": sum(r["compile_count"] for r in runs),
+        "compile_seconds": sum(r["compile_seconds"] for r in runs),
+        "compile_cache_hits": sum(r.get("compile_cache_hits", 0) for r in runs),
     }
     online = [r["online"] for r in runs if "online" in r]
     if online:

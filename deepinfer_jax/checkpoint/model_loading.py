@@ -32,6 +32,7 @@ from deepinfer_jax.checkpoint.reader import open_checkpoint
 from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.models import builtin
 from deepinfer_jax.models.registry import ModelFamily, get_family
+from deepinfer_jax.ops import compile_cache
 
 __all__ = ["DTYPES", "Model", "init_random", "load_model"]
 
@@ -65,7 +66,6 @@ class Model:
         self.family = family
         self.dtype = _check_dtype(dtype)
         self.path = path
-        self._jitted = jax.jit(family.forward_logits, static_argnums=1)
         self._compiled: dict[tuple[int, int], Any] = {}
         self._lock = threading.Lock()
 
@@ -96,7 +96,20 @@ class Model:
         with self._lock:
             fn = self._compiled.get(key)
             if fn is None:
-                fn = self._jitted.lower(self.params, self.config, ids).compile()
+                family, config = self.family, self.config
+                fn = compile_cache.compile_traced(
+                    lambda params, tokens: family.forward_logits(params, config, tokens),
+                    (
+                        jax.tree.map(
+                            lambda a: jax.ShapeDtypeStruct(
+                                a.shape, a.dtype, sharding=getattr(a, "sharding", None)
+                            ),
+                            self.params,
+                        ),
+                        jax.ShapeDtypeStruct(ids.shape, ids.dtype),
+                    ),
+                    static_key=f"forward_logits {family.name}\n{config!r}",
+                )
                 self._compiled[key] = fn
         return np.asarray(fn(self.params, ids))
 

@@ -88,7 +88,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "report sum_smaller_probs",
             target="sampling.compute_sum_smaller_probs",
         ),
-        EnvVar("DEEPINFER_JIT_CACHE_DIR", "str", "root of kernel JIT caches", target="ops.kernel_cache_dir"),
+        EnvVar(
+            "DEEPINFER_JIT_CACHE_DIR",
+            "str",
+            "root of kernel JIT caches (here: the persistent compilation cache's folder)",
+            target="ops.kernel_cache_dir",
+        ),
         EnvVar("DEEPINFER_NCCL_NUM_SMS", "int", "CTAs for NCCL collectives", reason=_COLLECTIVES),
         EnvVar("DEEPINFER_USERBUFFER_COMM_SMS", "int", "SMs for EP dispatch/combine", reason=_COLLECTIVES),
         EnvVar(

@@ -222,7 +222,12 @@ FIELDS: dict[str, Setting] = {
         "the indexer scores one page at a time and keeps a streaming top-k, so its workspace is bounded by the "
         "step's shape, not by a setting"
     ),
-    "ops.kernel_cache_dir": _honoured("JAX's persistent compilation cache directory"),
+    "ops.compile_cache": _honoured(
+        "compiled programs are kept in JAX's persistent compilation cache (off: the engine configures none)"
+    ),
+    "ops.kernel_cache_dir": _honoured(
+        "the persistent compilation cache's folder (default: JAX's own setting, else $DEEPINFER_JAX_CACHE/jit)"
+    ),
     # ------------------------------------------------------------------------------------------ server
     "server.host": _honoured("the address deepinfer-jax serve binds"),
     "server.port": _honoured("the port deepinfer-jax serve binds (0: any free port)"),

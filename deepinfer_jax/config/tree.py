@@ -326,7 +326,10 @@ class OpsConfig(Checked):
             model with the kernels selected; slow).
         batch_invariant: a request's numerics do not depend on the rest of the batch (fixed reduction orders).
         indexer_workspace_bytes: temporary-memory bound for chunking the sparse indexer's attention.
-        kernel_cache_dir: where compiled kernels (Triton, CuteDSL) are cached; ``None`` = their default.
+        compile_cache: keep compiled programs in JAX's persistent compilation cache, so a second start of the
+            same model and buckets compiles nothing (``deepinfer_jax/ops/compile_cache.py``).
+        kernel_cache_dir: the persistent cache's folder (``DEEPINFER_JIT_CACHE_DIR``); ``None`` = JAX's own
+            ``jax_compilation_cache_dir`` when set, else ``$DEEPINFER_JAX_CACHE/jit``.
     """
 
     _PREFIX: ClassVar[str] = "ops"
@@ -337,6 +340,7 @@ class OpsConfig(Checked):
     interpret: bool = False
     batch_invariant: bool = False
     indexer_workspace_bytes: int = 10 * _GIB
+    compile_cache: bool = True
     kernel_cache_dir: str | None = None
 
     def _validate(self) -> None:

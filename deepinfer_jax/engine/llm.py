@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -25,7 +26,6 @@ from typing import Any
 
 import jax
 from absl import logging
-from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from deepinfer_jax.cache.paged import parse_bytes
@@ -43,6 +43,7 @@ from deepinfer_jax.engine.scheduler import Scheduler
 from deepinfer_jax.engine.step import SamplerOptions, StepExecutor, state_bytes
 from deepinfer_jax.models import builtin
 from deepinfer_jax.models.registry import get_family
+from deepinfer_jax.ops import compile_cache
 from deepinfer_jax.ops.selection import resolve_selection
 from deepinfer_jax.parallel import distributed, mesh_from_config, shard_model_params, slot_expert_layers
 from deepinfer_jax.parallel.mesh import mesh_sizes
@@ -84,6 +85,12 @@ LLM_DEFAULTS: dict[str, Any] = {
 }
 """What each of LLM's keyword arguments is when neither the call nor a config source sets it."""
 _MASK64 = (1 << 64) - 1
+
+
+def _show_compile(bar: Any, tokens: int | None, seqs: int | None) -> None:
+    """The progress bar says which step bucket is compiling while it compiles (``StepExecutor.on_compile``)."""
+    with contextlib.suppress(Exception):
+        bar.set_description_str(f"compiling step {tokens}×{seqs} …" if tokens is not None else "generate")
 
 
 def device_share(total: int, num_devices: int) -> int:
@@ -433,10 +440,11 @@ class LLM:
                 f"parallel.num_processes = {config.parallel.num_processes}: a multi-process run needs a mesh over "
                 "the devices of every process; set data_parallel_size * expert_parallel_size to their number"
             )
-        if config.ops.kernel_cache_dir is not None:
-            # Process-wide: JAX keeps one persistent compilation cache per process.
-            jax.config.update("jax_compilation_cache_dir", str(config.ops.kernel_cache_dir))
-            compilation_cache.reset_cache()
+        # Process-wide: JAX keeps one persistent compilation cache per process (ops/compile_cache.py).
+        self.compile_cache_dir = compile_cache.configure(
+            config.ops.compile_cache, config.ops.kernel_cache_dir
+        )
+        """The folder compiled programs are cached in (``None``: no persistent cache)."""
         if tokenizer is None and config.tokenizer is not None:
             tokenizer = config.tokenizer
         self.config = config
@@ -780,6 +788,8 @@ class LLM:
                     from tqdm.auto import tqdm
 
                     bar = tqdm(total=len(request_ids), desc="generate", unit="req", dynamic_ncols=True)
+            if bar is not None and hasattr(bar, "set_description_str"):
+                self.executor.on_compile = functools.partial(_show_compile, bar)
             profile = self.config.profile_dir
             trace = jax.profiler.trace(profile) if profile is not None else contextlib.nullcontext()
             with trace:
@@ -790,6 +800,7 @@ class LLM:
             self._recover(err)
             raise
         finally:
+            self.executor.on_compile = None
             if bar is not None:
                 with contextlib.suppress(Exception):
                     bar.close()

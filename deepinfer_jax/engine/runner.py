@@ -42,7 +42,9 @@ class RunStats:
     """Counters of one :meth:`EngineRunner.run` call.
 
     Attributes:
-      steps, prompt_tokens, generated_tokens, seconds, compile_count, compile_seconds: what ran and how long.
+      steps, prompt_tokens, generated_tokens, seconds, compile_count, compile_seconds: what ran and how long
+        (``seconds`` includes the compile time; the rates of :meth:`summary` do not).
+      compile_cache_hits: of ``compile_count``, the compilations served from the persistent compilation cache.
       dp, ep: the mesh.
       placeholder_plans: per-device parts of steps that were all padding (a device with nothing to run while
         others ran).
@@ -57,19 +59,35 @@ class RunStats:
     seconds: float = 0.0
     compile_count: int = 0
     compile_seconds: float = 0.0
+    compile_cache_hits: int = 0
     dp: int = 1
     ep: int = 1
     placeholder_plans: int = 0
     eplb_rearrangements: int = 0
     moe_lb: float | None = None
 
+    @property
+    def run_seconds(self) -> float:
+        """The run's time less its compile time."""
+        return max(self.seconds - self.compile_seconds, 0.0)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens over :attr:`run_seconds` (0 for an empty run)."""
+        run = self.run_seconds
+        return self.generated_tokens / run if run > 0 else 0.0
+
     def summary(self, num_requests: int) -> str:
-        """One line: requests, tokens, tokens/s and compile time (and the mesh, when it has several devices)."""
-        rate = self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+        """One line: requests, tokens, tokens/s and compile time (and the mesh, when it has several devices).
+
+        The rate is over the run's time less its compile time: a first run that spends most of its time compiling
+        reports how fast it generated, not how long it compiled."""
+        rate = self.tokens_per_second
+        cached = f", {self.compile_cache_hits} from the cache" if self.compile_cache_hits else ""
         line = (
             f"{num_requests} requests, {self.prompt_tokens} prompt + {self.generated_tokens} generated tokens in "
-            f"{self.seconds:.2f} s ({rate:.1f} tokens/s), {self.steps} steps, "
-            f"{self.compile_count} compilations ({self.compile_seconds:.2f} s)"
+            f"{self.seconds:.2f} s ({rate:.1f} tokens/s excluding compilation), {self.steps} steps, "
+            f"{self.compile_count} compilations ({self.compile_seconds:.2f} s{cached})"
         )
         if self.dp * self.ep == 1:
             return line
@@ -243,6 +261,7 @@ class EngineRunner:
         dp, ep = mesh_sizes(self.executor.mesh)
         stats = RunStats(dp=dp, ep=ep)
         compiles, compile_s = self.executor.compile_count, self.executor.compile_seconds
+        cache_hits = self.executor.compile_cache_hits
         placeholders = self.placeholder_plans
         balancer = self.balancer
         peak, mean = (balancer.total_peak, balancer.total_mean) if balancer is not None else (0.0, 0.0)
@@ -293,6 +312,7 @@ class EngineRunner:
         stats.seconds = time.perf_counter() - start
         stats.compile_count = self.executor.compile_count - compiles
         stats.compile_seconds = self.executor.compile_seconds - compile_s
+        stats.compile_cache_hits = self.executor.compile_cache_hits - cache_hits
         stats.placeholder_plans = self.placeholder_plans - placeholders
         if balancer is not None:
             stats.eplb_rearrangements = balancer.rearrangements - replaced

@@ -32,6 +32,7 @@ Batch-invariant mode runs every per-token computation in fixed tiles of
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -40,11 +41,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from deepinfer_jax.cache.ragged import make_meta
 from deepinfer_jax.engine.plan import StepInputs, StepPlan
 from deepinfer_jax.models.paged import PagedModel, copy_rows
+from deepinfer_jax.ops import compile_cache
 from deepinfer_jax.ops.selection import OpSelection, use_selection
 from deepinfer_jax.ops.tiling import BATCH_INVARIANT_TILE, token_scope
 from deepinfer_jax.parallel.manual import expert_count_layout, expert_counts, manual_params, param_specs
@@ -394,6 +397,17 @@ def packed_step(
     return step(params, cache, state, unpack_inputs(packed, layout), **static)
 
 
+def _static_key(options: dict[str, Any]) -> str:
+    """Everything static a step is traced with, as text (the trace cache's key, with the source fingerprint and
+    the arguments' shapes and shardings): the op selection by its settings, the rest by ``repr``."""
+    parts = []
+    for name, value in sorted(options.items()):
+        if isinstance(value, OpSelection):
+            value = (value.platform, value.backend, dict(value.overrides), value.strict, value.interpret)
+        parts.append(f"{name}={value!r}")
+    return "\n".join(parts)
+
+
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=getattr(x, "sharding", None))
 
@@ -423,6 +437,10 @@ class StepExecutor:
     Attributes:
       compile_count: compilations done so far (one per variant used).
       compile_seconds: total wall time spent compiling.
+      compile_cache_hits: compilations of the step served from the persistent compilation cache
+        (``ops.compile_cache``; counted from JAX's cache events during the executor's own compiles).
+      on_compile: called as ``on_compile(T, S)`` just before a step variant of bucket ``(T, S)`` compiles and
+        ``on_compile(None, None)`` after (progress displays say "compiling step T×S"); ``None`` = nothing.
     """
 
     def __init__(
@@ -468,16 +486,13 @@ class StepExecutor:
             "selection": selection,
             "sampler": sampler or SamplerOptions(),
         }
-        self._jitted = jax.jit(
-            packed_step,
-            static_argnames=(*self._static, "layout", "num_logprobs", "num_prompt_logprobs"),
-            donate_argnums=(1, 2),
-        )
         self._sharding = NamedSharding(mesh, DEVICE_SPEC)
         self._compiled: dict[tuple[int, ...], Any] = {}
         self._lock = threading.Lock()
         self.compile_count = 0
         self.compile_seconds = 0.0
+        self.compile_cache_hits = 0
+        self.on_compile: Callable[[int | None, int | None], None] | None = None
         self.cache = self._stacked(lambda: model.init_cache(num_blocks, num_slots))
         self.state = self._stacked(lambda: init_state(num_slots, self.vocab_size))
 
@@ -505,9 +520,13 @@ class StepExecutor:
         with self._lock:
             fn = self._compiled.get(key)
             if fn is None:
+                tokens, seqs = plan.variant[:2]
+                if self.on_compile is not None:
+                    self.on_compile(tokens, seqs)
+                before = compile_cache.counters()
                 start = time.perf_counter()
-                fn = self._jitted.lower(
-                    self.params,
+                structs = (
+                    jax.tree.map(_struct, self.params),
                     jax.tree.map(_struct, self.cache),
                     jax.tree.map(_struct, self.state),
                     jax.tree.map(
@@ -516,14 +535,36 @@ class StepExecutor:
                         ),
                         inputs,
                     ),
+                )
+                options = {
                     **self._static,
-                    layout=layout,
-                    num_logprobs=plan.num_logprobs,
-                    num_prompt_logprobs=plan.num_prompt_logprobs,
-                ).compile()
-                self.compile_seconds += time.perf_counter() - start
+                    "layout": layout,
+                    "num_logprobs": plan.num_logprobs,
+                    "num_prompt_logprobs": plan.num_prompt_logprobs,
+                }
+                fn = compile_cache.compile_traced(
+                    functools.partial(packed_step, **options),
+                    structs,
+                    static_key=_static_key(options),
+                    donate_argnums=(1, 2),
+                )
+                seconds = time.perf_counter() - start
+                self.compile_seconds += seconds
                 self.compile_count += 1
+                # The step's lowering compiles one program (nested jits are inlined): a hit is this step's.
+                hit = min(1, (compile_cache.counters() - before).hits)
+                self.compile_cache_hits += hit
+                logging.info(
+                    "compiled step %d×%d %s in %.2f s%s",
+                    tokens,
+                    seqs,
+                    plan.variant[2:],
+                    seconds,
+                    " (persistent cache hit)" if hit else "",
+                )
                 self._compiled[key] = fn
+                if self.on_compile is not None:
+                    self.on_compile(None, None)
         return fn
 
     def run(self, plan: StepPlan) -> StepOutput:
