@@ -4,7 +4,8 @@
 
 The shapes are those of ``configs/deepseek_v41_flash.yaml`` (every backbone layer, 384 MXFP4 experts, bf16
 production mode, FP4 / MXFP4 records in the pages); the values no source evidences are filled with the
-placeholders of ``tests/models/deepseek_v41/test_v41_paged_memory.py`` (imported from there). The parameters and
+placeholders of ``tests/models/deepseek_v41/test_v41_paged_memory.py``, whose builder of the model, the
+abstract parameters and the decode inputs this script imports. The parameters and
 the cache are abstract (``jax.eval_shape``), so nothing of the 150+ GB is allocated: the script traces, lowers and
 compiles one decode step of ``--batch`` sequences, one token each, at ``--context`` tokens of context, and prints
 the seconds of each stage and XLA's reported temporary memory.
@@ -32,48 +33,15 @@ def main(argv: list[str]) -> None:
     import jax.numpy as jnp
 
     from deepinfer_jax.cache.ragged import make_meta
-    from deepinfer_jax.config import load_model_config
-    from deepinfer_jax.config.model import ModelConfig
-    from deepinfer_jax.models.deepseek_v4 import family_v41
-    from deepinfer_jax.models.deepseek_v4.paged_v41 import V41PagedModel
-    from deepinfer_jax.models.deepseek_v4.v41_params import assemble_params, expected_tensors
 
     sys.path.insert(0, str(ROOT / "tests" / "models" / "deepseek_v41"))
-    from test_v41_paged_memory import BLOCK, PLACEHOLDERS
+    from test_v41_paged_memory import build_real, decode_inputs
 
     start = time.perf_counter()
-    full = load_model_config(ROOT / "configs" / "deepseek_v41_flash.yaml")
-    hf = dict(full.hf)
-    text = {**hf["text_config"], **PLACEHOLDERS}
-    hf["text_config"] = text
-    cfg = ModelConfig.from_hf(hf)
-    model = V41PagedModel(
-        static=family_v41.static_for(cfg, "bfloat16"),
-        block_size=BLOCK,
-        dtype="bfloat16",
-        cache_dtype="quantized",
-        head_dim=cfg.head_dim,
-        index_head_dim=cfg.index_head_dim,
-        use_fp4=True,
-    )
-    structs = {
-        name: jax.ShapeDtypeStruct(shape, jnp.dtype(dtypes[0]))
-        for name, (shape, dtypes, optional) in expected_tensors(cfg).items()
-        if not optional
-    }
-    params = jax.eval_shape(lambda t: assemble_params(cfg, t, "bfloat16"), structs)
+    cfg, model, params = build_real()
     batch, context = FLAGS.batch, FLAGS.context
-    i32 = jnp.int32
-    cache = jax.eval_shape(lambda: model.init_cache(batch * context // BLOCK + 1, batch + 1))
-    meta_args = (
-        jax.ShapeDtypeStruct((batch,), i32),  # token_seq
-        jax.ShapeDtypeStruct((batch,), i32),  # positions
-        jax.ShapeDtypeStruct((batch + 1,), i32),  # query_start
-        jax.ShapeDtypeStruct((batch,), i32),  # context_lens
-        jax.ShapeDtypeStruct((batch,), i32),  # seq_slots
-        jax.ShapeDtypeStruct((batch, context // BLOCK), i32),  # block_tables
-    )
-    tokens = jax.ShapeDtypeStruct((batch,), i32)
+    cache, meta_args, _, _ = decode_inputs(cfg, model, batch, context)
+    tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
     setup = time.perf_counter() - start
 
     def step(params, cache, tokens, *meta_args):

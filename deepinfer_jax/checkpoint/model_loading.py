@@ -99,15 +99,7 @@ class Model:
                 family, config = self.family, self.config
                 fn = compile_cache.compile_traced(
                     lambda params, tokens: family.forward_logits(params, config, tokens),
-                    (
-                        jax.tree.map(
-                            lambda a: jax.ShapeDtypeStruct(
-                                a.shape, a.dtype, sharding=getattr(a, "sharding", None)
-                            ),
-                            self.params,
-                        ),
-                        jax.ShapeDtypeStruct(ids.shape, ids.dtype),
-                    ),
+                    (jax.tree.map(compile_cache.struct_of, self.params), compile_cache.struct_of(ids)),
                     static_key=f"forward_logits {family.name}\n{config!r}",
                 )
                 self._compiled[key] = fn

@@ -408,10 +408,6 @@ def _static_key(options: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def _struct(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=getattr(x, "sharding", None))
-
-
 class StepExecutor:
     """Runs :func:`step` for one model on one mesh, compiling each variant once, on first use.
 
@@ -526,9 +522,9 @@ class StepExecutor:
                 before = compile_cache.counters()
                 start = time.perf_counter()
                 structs = (
-                    jax.tree.map(_struct, self.params),
-                    jax.tree.map(_struct, self.cache),
-                    jax.tree.map(_struct, self.state),
+                    jax.tree.map(compile_cache.struct_of, self.params),
+                    jax.tree.map(compile_cache.struct_of, self.cache),
+                    jax.tree.map(compile_cache.struct_of, self.state),
                     jax.tree.map(
                         lambda a: jax.ShapeDtypeStruct(
                             np.shape(a), jnp.result_type(a), sharding=self._sharding

@@ -4,8 +4,8 @@ JAX keeps compiled executables on disk when ``jax_compilation_cache_dir`` is set
 changes the program: the lowered module's fingerprint (shapes, dtypes, shardings, the op selection baked into
 it), the compile options, the backend, its devices and the jax / jaxlib versions. A changed model, bucket, mesh or
 setting is a different key, so a stale entry is never served; the cache only saves compiling the same program
-twice. It is one setting per process: the first engine (or :func:`load_model`) that turns it on chooses the
-folder for the whole process.
+twice. It is one setting per process: the first engine (or a script calling :func:`configure`) that turns it on
+chooses the folder for the whole process.
 
 :func:`configure` applies ``ops.compile_cache`` / ``ops.kernel_cache_dir`` (``DEEPINFER_JIT_CACHE_DIR``):
 
@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from absl import logging
 from jax.experimental.compilation_cache import compilation_cache
 
@@ -48,6 +50,7 @@ __all__ = [
     "counters",
     "default_dir",
     "source_fingerprint",
+    "struct_of",
     "trace_counters",
 ]
 
@@ -212,6 +215,11 @@ def source_fingerprint() -> str:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()
+
+
+def struct_of(x: Any) -> jax.ShapeDtypeStruct:
+    """The abstract argument :func:`compile_traced` takes for array ``x`` (numpy or jax): shape, dtype, sharding."""
+    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=getattr(x, "sharding", None))
 
 
 def _describe(structs: Any) -> str:

@@ -62,8 +62,10 @@ PLACEHOLDERS = {
 }
 
 
-@pytest.fixture(scope="module")
-def real():
+def build_real() -> tuple[ModelConfig, V41PagedModel, object]:
+    """V4.1-Flash's config (with :data:`PLACEHOLDERS`), its bf16 paged model with FP4 / MXFP4 records, and the
+    abstract parameter tree (``jax.eval_shape`` over ``assemble_params``). Also used by
+    ``scripts/compile_real_v41.py``, which compiles the whole decode step at these shapes."""
     full = load_model_config(CONFIGS / "deepseek_v41_flash.yaml")
     hf = dict(full.hf)
     hf["text_config"] = {**hf["text_config"], **PLACEHOLDERS}
@@ -87,21 +89,27 @@ def real():
     return cfg, model, params
 
 
-def _inputs(cfg, model):
-    """Abstract arguments of one decode step: 64 rows at position 128K - 1, one token each."""
+@pytest.fixture(scope="module")
+def real():
+    return build_real()
+
+
+def decode_inputs(cfg, model, batch: int = BATCH, context: int = CONTEXT):
+    """Abstract arguments of one decode step: ``batch`` rows at position ``context - 1``, one token each: the
+    cache, the ragged-metadata arguments of ``make_meta``, and one layer's mHC streams and pre-mix."""
     i32 = jnp.int32
-    num_blocks = BATCH * CONTEXT // BLOCK + 1
-    cache = jax.eval_shape(lambda: model.init_cache(num_blocks, BATCH + 1))
+    num_blocks = batch * context // BLOCK + 1
+    cache = jax.eval_shape(lambda: model.init_cache(num_blocks, batch + 1))
     meta_args = (
-        jax.ShapeDtypeStruct((BATCH,), i32),  # token_seq
-        jax.ShapeDtypeStruct((BATCH,), i32),  # positions
-        jax.ShapeDtypeStruct((BATCH + 1,), i32),  # query_start
-        jax.ShapeDtypeStruct((BATCH,), i32),  # context_lens
-        jax.ShapeDtypeStruct((BATCH,), i32),  # seq_slots
-        jax.ShapeDtypeStruct((BATCH, CONTEXT // BLOCK), i32),  # block_tables
+        jax.ShapeDtypeStruct((batch,), i32),  # token_seq
+        jax.ShapeDtypeStruct((batch,), i32),  # positions
+        jax.ShapeDtypeStruct((batch + 1,), i32),  # query_start
+        jax.ShapeDtypeStruct((batch,), i32),  # context_lens
+        jax.ShapeDtypeStruct((batch,), i32),  # seq_slots
+        jax.ShapeDtypeStruct((batch, context // BLOCK), i32),  # block_tables
     )
-    streams = jax.ShapeDtypeStruct((BATCH, cfg.hc_mult, cfg.hidden_size), jnp.bfloat16)
-    pre = jax.ShapeDtypeStruct((BATCH, cfg.hc_mult), jnp.float32)
+    streams = jax.ShapeDtypeStruct((batch, cfg.hc_mult, cfg.hidden_size), jnp.bfloat16)
+    pre = jax.ShapeDtypeStruct((batch, cfg.hc_mult), jnp.float32)
     return cache, meta_args, streams, pre
 
 
@@ -138,7 +146,7 @@ def _layer_fns(model, p):
 
 def test_real_shape_decode_attention_and_layer_temp_memory(real):
     cfg, model, params = real
-    cache, meta_args, streams, pre = _inputs(cfg, model)
+    cache, meta_args, streams, pre = decode_inputs(cfg, model)
     p = params["layers"][LAYER]
     attention, layer = _layer_fns(model, p)
     attn_temp = _temp(attention, p, streams, pre, cache, *meta_args)
@@ -165,7 +173,7 @@ def test_real_shape_layer_temp_memory_with_the_kernels_selected(real):
     of a layer's attention, which the reference layer meets too: about 175 MiB measured, against about 210 MiB
     with the kernels)."""
     cfg, model, params = real
-    cache, meta_args, streams, pre = _inputs(cfg, model)
+    cache, meta_args, streams, pre = decode_inputs(cfg, model)
     p = params["layers"][LAYER]
     settings = types.SimpleNamespace(
         backend="pallas_gpu", overrides={"moe_experts": "reference"}, strict=True, interpret=True
