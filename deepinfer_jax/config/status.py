@@ -179,10 +179,12 @@ FIELDS: dict[str, Setting] = {
     "scheduler.yoco_keep_tokens": _not_built(_REPLAY),
     "scheduler.min_bucket_fill": _honoured("cut prefill chunks to fill a smaller bucket below this fill"),
     # ------------------------------------------------------------------------------------------ speculative
-    "speculative.num_draft_tokens": Setting(
-        "warns",
-        f"{NOT_BUILT}: {_SPEC}; 0 and None (the default) run without drafts",
-        when=lambda value: value not in (None, 0),
+    "speculative.num_draft_tokens": _honoured(
+        "drafts per decode row (deepseek_v3: its MTP layer, run k times for k > 1); None = the model's natural "
+        "length; other families refuse k > 0 (their drafters in the step are not built yet) and run without"
+    ),
+    "speculative.force_draft_tokens": _honoured(
+        "test hook: golden_token_ids become the requests' draft tokens instead of forced outputs"
     ),
     "speculative.variable_length": _not_built(_SPEC),
     "speculative.confidence_temperature": _not_built(_SPEC),

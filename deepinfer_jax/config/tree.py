@@ -238,6 +238,8 @@ class SpeculativeConfig(Checked):
             position (then exactly ``num_draft_tokens`` values).
         latency_cache_dir / latency_cache_ttl_s: where and for how long the measured decode latency curve
             (used by ``variable_length``) is cached; ``None`` = not cached.
+        force_draft_tokens: test hook: a request's ``golden_token_ids`` are its draft tokens (verified as any
+            draft) instead of teacher-forced outputs, so tests reach any acceptance pattern with random weights.
     """
 
     _PREFIX: ClassVar[str] = "speculative"
@@ -247,6 +249,7 @@ class SpeculativeConfig(Checked):
     confidence_temperature: float | tuple[float, ...] = 1.0
     latency_cache_dir: str | None = None
     latency_cache_ttl_s: int = 3600
+    force_draft_tokens: bool = False
 
     def _validate(self) -> None:
         check_range("speculative.num_draft_tokens", self.num_draft_tokens, ge=0)

@@ -67,6 +67,8 @@ ARGUMENT_CONFIG_KEYS = {
     "ops.batch_invariant": "batch_invariant",
     "parallel.data_parallel_size": "data_parallel_size",
     "parallel.expert_parallel_size": "expert_parallel_size",
+    "speculative.num_draft_tokens": "num_draft_tokens",
+    "speculative.variable_length": "speculative_variable_length",
 }
 """Config names that LLM's own keyword arguments set (config name -> argument); giving them as overrides too
 would be ambiguous. An argument left at ``None`` takes the config's value when a yaml, gin or ``DEEPINFER_*``
@@ -82,6 +84,8 @@ LLM_DEFAULTS: dict[str, Any] = {
     "batch_invariant": False,
     "data_parallel_size": 1,
     "expert_parallel_size": 1,
+    "num_draft_tokens": None,  # the model's natural draft length (V3 with an MTP layer: 1)
+    "speculative_variable_length": False,
 }
 """What each of LLM's keyword arguments is when neither the call nor a config source sets it."""
 _MASK64 = (1 << 64) - 1
@@ -237,6 +241,47 @@ def host_device() -> jax.Device | None:
         return None
 
 
+def _draft_length(config: Any, sources: Mapping[str, str], model: Model) -> int:
+    """The engine's draft length: ``speculative.num_draft_tokens`` when set (a model that cannot draft it is a
+    ``ValueError`` naming the field), else the model's natural length where the engine can draft for the family,
+    else 0 (logged)."""
+    field = "speculative.num_draft_tokens"
+    where = sources.get(field, "the default")
+    asked = config.speculative.num_draft_tokens
+    layers = int(getattr(model.config, "num_nextn_predict_layers", 0) or 0)
+    family = str(getattr(config.model.family, "value", config.model.family))
+    drafts_here = family == "deepseek_v3"  # the families whose paged model runs its draft layers in the step
+    if asked is not None:
+        k = int(asked)
+        if k and not layers:
+            raise ValueError(
+                f"{field} = {k} (from {where}): the model has no draft layers (num_nextn_predict_layers = 0); use 0"
+            )
+        if k and not drafts_here:
+            raise ValueError(
+                f"{field} = {k} (from {where}): speculative decoding of {family} (its DSpark / MTP drafter in the "
+                "engine step) is not built yet; only deepseek_v3's MTP layer drafts. Use 0"
+            )
+        if k and config.sampling.compute_sum_smaller_probs:
+            raise ValueError(
+                f"{field} = {k} (from {where}) with sampling.compute_sum_smaller_probs: verification rows report "
+                "no sum of smaller probabilities; set num_draft_tokens = 0"
+            )
+        return k
+    if not layers:
+        return 0
+    if not drafts_here:
+        logging.info("speculative decoding of %s is not built yet: decoding without drafts", family)
+        return 0
+    if config.sampling.compute_sum_smaller_probs:
+        logging.warning(
+            "sampling.compute_sum_smaller_probs is set: decoding without drafts (verification rows report no sum "
+            "of smaller probabilities)"
+        )
+        return 0
+    return int(config.num_draft_tokens)
+
+
 def _auto_dtype(config: Any, sources: Mapping[str, str]) -> str:
     """``dtype="auto"``: the checkpoint's declared ``torch_dtype`` decides the precision mode (as in vLLM).
 
@@ -361,6 +406,8 @@ class LLM:
         data_parallel_size: int | None = None,
         expert_parallel_size: int | None = None,
         logprobs_mode: str = "raw_logprobs",
+        num_draft_tokens: int | None = None,
+        speculative_variable_length: bool | None = None,
         **engine_overrides: Any,
     ) -> None:
         if logprobs_mode not in LOGPROBS_MODES:
@@ -388,6 +435,8 @@ class LLM:
             "batch_invariant": batch_invariant,
             "data_parallel_size": data_parallel_size,
             "expert_parallel_size": expert_parallel_size,
+            "num_draft_tokens": num_draft_tokens,
+            "speculative_variable_length": speculative_variable_length,
         }
         given = {}
         for field, name in ARGUMENT_CONFIG_KEYS.items():
@@ -416,6 +465,13 @@ class LLM:
             raise TypeError(f"batch_invariant: expected a bool, got {type(args['batch_invariant']).__name__}")
         for name in ("data_parallel_size", "expert_parallel_size"):
             _check_int(name, args[name], 1)
+        if args["num_draft_tokens"] is not None:
+            _check_int("num_draft_tokens", args["num_draft_tokens"], 0)
+        if not isinstance(args["speculative_variable_length"], bool):
+            raise TypeError(
+                "speculative_variable_length: expected a bool, got "
+                f"{type(args['speculative_variable_length']).__name__}"
+            )
         num_devices = args["data_parallel_size"] * args["expert_parallel_size"]
         resolved = {
             **{f: args[n] for f, n in ARGUMENT_CONFIG_KEYS.items() if f != "max_model_len"},
@@ -464,6 +520,8 @@ class LLM:
         )
         self.seed = seed
         self.batch_invariant = bool(config.ops.batch_invariant)
+        self.num_draft_tokens = _draft_length(config, sources, self.model)
+        """Draft tokens each decode row verifies (0: no speculative decoding; ``docs/speculative.md``)."""
         # From here on the budgets are one device's (docs/engine.md, "budgets on a mesh").
         max_num_seqs = device_share(max_num_seqs, num_devices)
         max_num_batched_tokens = device_share(max_num_batched_tokens, num_devices)
@@ -482,7 +540,7 @@ class LLM:
                 num_devices=num_devices,
                 max_num_seqs=max_num_seqs,
                 num_slots=num_slots,
-                reserved_bytes=state_bytes(num_slots, cfg.vocab_size),
+                reserved_bytes=state_bytes(num_slots, cfg.vocab_size, self.num_draft_tokens),
                 tokens_per_seq=max_model_len or cfg.max_position_embeddings or 4096,
                 memory_utilization=config.cache.memory_utilization,
                 memory_stats=stats,
@@ -492,7 +550,7 @@ class LLM:
                 self.paged_model.layout(),
                 budget // num_devices,
                 num_slots=num_slots,
-                reserved_bytes=state_bytes(num_slots, cfg.vocab_size),
+                reserved_bytes=state_bytes(num_slots, cfg.vocab_size, self.num_draft_tokens),
                 num_blocks=config.cache.num_blocks,
             )
         except ValueError as err:
@@ -566,6 +624,8 @@ class LLM:
             min_bucket_fill=config.scheduler.min_bucket_fill,
             banned_token_ids=config.sampling.banned_token_ids,
             grammar_compiler=self.grammar_compiler,
+            num_draft_tokens=self.num_draft_tokens,
+            force_drafts=config.speculative.force_draft_tokens,
         )
         self.last_stats: RunStats | None = None
         self.expert_balancer: MeshExpertBalancer | None = None
@@ -592,6 +652,7 @@ class LLM:
                 force_top_k=config.sampling.force_top_k,
                 sum_smaller=config.sampling.compute_sum_smaller_probs,
             ),
+            num_draft_tokens=self.num_draft_tokens,
         )
         self.logprobs_mode = logprobs_mode
         """What reported logprobs are (:data:`~deepinfer_jax.sampling.LOGPROBS_MODES`)."""

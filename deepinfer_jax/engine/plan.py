@@ -35,10 +35,12 @@ from deepinfer_jax.sampling.tensors import SamplingTensors
 __all__ = [
     "LOGPROB_VARIANTS",
     "PENDING_TOKEN",
+    "DRAFT_TOKEN",
     "CacheCopies",
     "DeviceBatch",
     "PlanView",
     "ScheduledRow",
+    "SpecInputs",
     "StepInputs",
     "StepPlan",
     "build_plan",
@@ -48,6 +50,10 @@ __all__ = [
 
 PENDING_TOKEN = -1
 """Token id meaning "read the token this sequence sampled last step from device state"."""
+
+DRAFT_TOKEN = -2
+"""Token id meaning "the sequence's next draft token, from the device's draft pool" (speculative decoding: the
+tokens after a decode row's first one)."""
 
 LOGPROB_VARIANTS: tuple[int, ...] = (0, 5, 20)
 """Top-n widths the step is compiled for; a step reports the smallest that covers every row's ``logprobs``."""
@@ -109,6 +115,10 @@ class ScheduledRow:
       pending_input: the row's first token is the one its sequence sampled last step, not yet on the host
         (:data:`PENDING_TOKEN`).
       decode: one output token fed to sample the next (the rest count as prefill).
+      num_drafts: speculative decoding: the row's last ``num_drafts`` tokens are draft tokens from the device's
+        pool (``length = 1 + num_drafts``), verified by the step.
+      shifted: speculative decoding: the row's first position is only the host's lower bound; the device places
+        it at the slot's pending token (``SpecInputs.shifted``).
     """
 
     request: Any
@@ -117,6 +127,10 @@ class ScheduledRow:
     sample: bool
     pending_input: bool
     decode: bool
+    num_drafts: int = 0
+    shifted: bool = False
+    forced: tuple[int, ...] = ()
+    """Test hook (``speculative.force_draft_tokens``): the draft tokens to verify instead of the drafter's."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -185,6 +199,27 @@ class StepInputs(NamedTuple):
     sampling: Any
     prompt_targets: Any = None
     copies: Any = None
+    spec: Any = None
+
+
+class SpecInputs(NamedTuple):
+    """What a speculative engine's step needs besides the plain plan (``docs/speculative.md``).
+
+    Attributes:
+      num_drafts: int32 ``[D, S]`` drafts the row verifies (its last ``num_drafts`` tokens are
+        :data:`DRAFT_TOKEN`); 0 for every other row.
+      shifted: bool ``[D, S]`` the row's positions, context length and sample position are the host's lower
+        bound; the device adds ``next_pos[slot] - positions[first token]``.
+      next_ids: int32 ``[D, S]`` the token after the row's last one when the row does not sample (the next
+        prompt token of a prefill chunk: the draft layer pairs each token with its successor); -1 elsewhere.
+      forced: int32 ``[D, S, K]`` draft tokens that replace the pool's (the ``speculative.force_draft_tokens``
+        test hook), -1 = the pool's draft.
+    """
+
+    num_drafts: Any
+    shifted: Any
+    next_ids: Any
+    forced: Any
 
 
 class CacheCopies(NamedTuple):
@@ -245,8 +280,8 @@ class PlanView(NamedTuple):
         expected_seq[:n] = np.repeat(np.arange(m, dtype=np.int32), np.diff(qs[: m + 1]))
         if not np.array_equal(self.token_seq, expected_seq):
             raise ValueError("token_seq does not match query_start (padding tokens must point at row S)")
-        if np.any(self.token_ids[:n] < PENDING_TOKEN) or np.any(self.token_ids[n:] != 0):
-            raise ValueError("token_ids: real tokens must be >= -1 and padding tokens 0")
+        if np.any(self.token_ids[:n] < DRAFT_TOKEN) or np.any(self.token_ids[n:] != 0):
+            raise ValueError("token_ids: real tokens must be >= -2 and padding tokens 0")
         if np.any(self.positions[n:] != 0) or np.any(self.positions[:n] < 0):
             raise ValueError("positions: real positions must be >= 0 and padding positions 0")
         for row in range(m):
@@ -259,8 +294,10 @@ class PlanView(NamedTuple):
                     f"row {row} ({self.request_ids[row]}): positions {pos.tolist()} are not consecutive or do not "
                     f"end at context_lens - 1 = {int(self.context_lens[row]) - 1}"
                 )
-            if np.any(self.token_ids[lo : hi - 1] == PENDING_TOKEN):
+            if np.any(self.token_ids[lo + 1 : hi] == PENDING_TOKEN):
                 raise ValueError(f"row {row}: only a row's first token may be pending (-1)")
+            if self.token_ids[lo] == DRAFT_TOKEN:
+                raise ValueError(f"row {row}: a row's first token cannot be a draft (-2)")
             if self.seq_slots[row] < 0:
                 raise ValueError(f"row {row}: a real row needs a state slot, got {self.seq_slots[row]}")
             if block_size is not None:
@@ -411,6 +448,8 @@ def build_plan(
     vocab_size: int,
     eos_token_ids: Sequence[int] = (),
     banned_token_ids: Sequence[int] = (),
+    num_draft_tokens: int = 0,
+    force_drafts: bool = False,
 ) -> StepPlan:
     """The :class:`StepPlan` of one step: every device's batch (``None`` = nothing to run) in one padded plan.
 
@@ -434,6 +473,11 @@ def build_plan(
     sample = np.zeros((d, s), np.bool_)
     prompt_lens = np.zeros((d, s), np.int32)
     targets: np.ndarray | None = None
+    speculative = num_draft_tokens > 0
+    num_drafts = np.zeros((d, s), np.int32)
+    shifted = np.zeros((d, s), np.bool_)
+    next_ids = np.full((d, s), -1, np.int32)
+    forced = np.full((d, s, max(num_draft_tokens, 1)), -1, np.int32)
     params, seeds, sample_pos, output_lens, row_index, extra = [], [], [], [], [], []
     grammars: list[tuple[int, Any]] = []  # (row, the request's RequestGrammar) of sampled constrained rows
     wanted = prompt_wanted = 0
@@ -444,10 +488,20 @@ def build_plan(
         for i, row in enumerate(batch.rows):
             req = row.request
             end = offset + row.length
+            known = row.length - row.num_drafts
             if row.pending_input:
                 token_ids[dev, offset] = PENDING_TOKEN
             else:
-                token_ids[dev, offset:end] = req.tokens(row.start, row.start + row.length)
+                token_ids[dev, offset : offset + known] = req.tokens(row.start, row.start + known)
+            if row.num_drafts:
+                token_ids[dev, offset + known : end] = DRAFT_TOKEN
+            if speculative:
+                num_drafts[dev, i] = row.num_drafts
+                shifted[dev, i] = row.shifted
+                forced[dev, i, : len(row.forced)] = row.forced
+                if not row.sample:
+                    after = req.tokens(row.start + row.length, row.start + row.length + 1)
+                    next_ids[dev, i] = int(after[0]) if len(after) else -1
             pos = np.arange(row.start, row.start + row.length, dtype=np.int32)
             positions[dev, offset:end] = pos
             token_seq[dev, offset:end] = i
@@ -460,6 +514,8 @@ def build_plan(
             prompt_len = req.prompt_len
             prompt_lens[dev, i] = prompt_len
             p = req.params
+            if force_drafts and getattr(p, "golden_token_ids", None) is not None:
+                p = p.replace(golden_token_ids=None)  # the test hook's golden tokens are drafts, not outputs
             params.append(p)
             seeds.append(req.seed)
             sample_pos.append(context)
@@ -527,6 +583,7 @@ def build_plan(
         sampling,
         targets,
         copies,
+        SpecInputs(num_drafts, shifted, next_ids, forced) if speculative else None,
     )
     return StepPlan(
         inputs,

@@ -209,6 +209,7 @@ class EngineRunner:
             prompt_logprobs=host.prompt,
             sum_smaller=host.sum_smaller,
             top_sum_smaller=host.top_sum_smaller,
+            num_accepted=host.num_accepted,
         )
         if self.balancer is not None and out.expert_counts is not None:
             counts = _to_host(out.expert_counts)

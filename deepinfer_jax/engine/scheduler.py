@@ -144,6 +144,9 @@ class Request:
         self.grammar_future: concurrent.futures.Future[Any] | None = None
         self.grammar_deadline = 0.0
         self.think_end: tuple[int, ...] | None = None
+        # Speculative decoding: drafts of this request's in-flight rows (each may emit up to that many more
+        # tokens than the one counted in ``pending``).
+        self.spec_slack = 0
 
     @property
     def is_group(self) -> bool:
@@ -292,6 +295,14 @@ class SchedulerStats:
     """Steps with a grammar-constrained row (structured outputs; counted on device 0's stats)."""
     mask_seconds: float = 0.0
     """Host time spent filling grammar masks (counted on device 0's stats)."""
+    num_spec_rows: int = 0
+    """Speculative decoding: decode rows that verified drafts (processed)."""
+    num_spec_emitted: int = 0
+    """Tokens those rows emitted (accepted drafts and bonus tokens, before stops cut them)."""
+    verified_at: list[int] = dataclasses.field(default_factory=list)
+    """``verified_at[i]``: draft ``i + 1`` verified (summed over rows)."""
+    accepted_at: list[int] = dataclasses.field(default_factory=list)
+    """``accepted_at[i]``: draft ``i + 1`` accepted."""
 
 
 def _priority(req: Request) -> tuple[int, int]:
@@ -351,8 +362,15 @@ class DeviceScheduler:
         clock: Callable[[], float] = time.monotonic,
         min_bucket_fill: float = 0.5,
         grammar_compiler: GrammarCompiler | None = None,
+        num_draft_tokens: int = 0,
+        force_drafts: bool = False,
     ) -> None:
         self.grammar_compiler = grammar_compiler
+        self.force_drafts = bool(force_drafts)
+        self.num_draft_tokens = _positive("num_draft_tokens", num_draft_tokens, 0)
+        # Positions a speculative request may write past its known tokens: the drafts of a row in flight, the
+        # drafts of the next row, and the draft layer's extra positions (docs/speculative.md, "blocks").
+        self.spec_margin = 3 * self.num_draft_tokens
         self.block_size = _positive("block_size", block_size)
         self.max_num_seqs = _positive("max_num_seqs", max_num_seqs)
         self.max_num_batched_tokens = _positive("max_num_batched_tokens", max_num_batched_tokens)
@@ -503,12 +521,13 @@ class DeviceScheduler:
             )
         self._order += 1
         # The longest context ever cached: the last token sampled never enters the cache.
-        most_blocks = blocks_for_tokens(req.max_total_len - 1, self.block_size)
+        most_blocks = blocks_for_tokens(req.max_total_len - 1 + self.spec_margin, self.block_size)
         limit = min(self.blocks.capacity, self.max_blocks_per_seq)
         error = None
         if most_blocks > limit:
             error = (
-                f"request {request_id!r} can never fit the cache: up to {req.max_total_len - 1} cached tokens "
+                f"request {request_id!r} can never fit the cache: up to "
+                f"{req.max_total_len - 1 + self.spec_margin} cached tokens "
                 f"need {most_blocks} blocks of {self.block_size} tokens, but the cache holds "
                 f"{self.blocks.capacity} blocks and a block table {self.max_blocks_per_seq}"
             )
@@ -690,7 +709,7 @@ class DeviceScheduler:
                 break
             if req.pending:
                 break  # a recompute needs every token on the host; strict FCFS waits for it
-            need = self.blocks.blocks_for(req.feed_len)
+            need = self.blocks.blocks_for(req.feed_len + self._draft_extra(True))
             # An unforked group also reserves its other samples' slots and copies of its partial last block.
             spare = req.params.n - 1 if req.unforked and req.feed_len % self.block_size else 0
             if need + spare > self.blocks.num_free or self.slots.num_free < req.width:
@@ -714,6 +733,25 @@ class DeviceScheduler:
         if not rows:
             return None
         return self._commit(self._fill_bucket(rows))
+
+    def _draft_extra(self, sample: bool) -> int:
+        """Positions past a sampling row's context that its draft layer writes (drafts 2..K)."""
+        return max(self.num_draft_tokens - 1, 0) if sample else 0
+
+    def _speculates(self, req: Request) -> bool:
+        """Whether ``req``'s decode rows verify drafts. Not while its next sample depends on exact host state:
+        a grammar or a multi-token bad word (masks from the tokens so far), teacher forcing, or ``min_tokens``
+        not yet reached (the EOS mask depends on the output count)."""
+        if not self.num_draft_tokens or req.needs_host_tokens:
+            return False
+        p = req.params
+        if getattr(p, "golden_token_ids", None) is not None:
+            return self.force_drafts
+        return len(req.output_token_ids) >= p.min_tokens
+
+    def _forced_drafts(self, req: Request) -> bool:
+        """The ``speculative.force_draft_tokens`` test hook applies: the request's golden tokens are its drafts."""
+        return self.force_drafts and getattr(req.params, "golden_token_ids", None) is not None
 
     def _num_sequences(self) -> int:
         return sum(r.width for r in self._running)
@@ -826,8 +864,10 @@ class DeviceScheduler:
                     break
                 # Tokens still to feed: the rest of a prefill, or the one token whose cache entry the next
                 # decode writes (pending when it was sampled by a step not yet processed).
-                if req.pending and req.needs_host_tokens:
-                    continue  # its masks need the token still in flight
+                speculates = self._speculates(req)
+                exact = req.needs_host_tokens or self._forced_drafts(req)
+                if req.pending and (exact or (req.spec_slack and not speculates)):
+                    continue  # its masks (or its exact position) need the tokens still in flight
                 start = req.num_computed
                 q = min(req.feed_len - start, tokens_left)
                 if q <= 0:
@@ -835,15 +875,37 @@ class DeviceScheduler:
                 sample = start + q == req.total_len
                 if sample and req.total_len >= req.max_total_len:
                     continue  # its in-flight tokens complete it; stopping is certain
-                new_blocks += max(0, self.blocks.blocks_for(start + q) - len(req.block_ids))
                 decode = sample and q == 1 and start >= req.prompt_len
-                rows.append(ScheduledRow(req, start, q, sample, req.pending > 0, decode))
-                tokens_left -= q
+                nd = 0
+                if decode and speculates:
+                    nd = min(self.num_draft_tokens, tokens_left - 1)
+                end = start + q + nd
+                need = end + req.spec_slack + self._draft_extra(sample)
+                new_blocks += max(0, self.blocks.blocks_for(need) - len(req.block_ids))
+                forced: tuple[int, ...] = ()
+                if nd and self._forced_drafts(req):
+                    n = len(req.output_token_ids)
+                    forced = tuple(int(t) for t in req.params.golden_token_ids[n : n + nd])
+                rows.append(
+                    ScheduledRow(
+                        req,
+                        start,
+                        q + nd,
+                        sample,
+                        req.pending > 0,
+                        decode,
+                        nd,
+                        decode and bool(self.num_draft_tokens),
+                        forced,
+                    )
+                )
+                tokens_left -= q + nd
             if new_blocks <= self.blocks.num_free:
                 break
             self._preempt(max(self._running, key=_priority))
         for row in rows:
-            missing = self.blocks.blocks_for(row.start + row.length) - len(row.request.block_ids)
+            need = row.start + row.length + row.request.spec_slack + self._draft_extra(row.sample)
+            missing = self.blocks.blocks_for(need) - len(row.request.block_ids)
             if missing > 0:
                 row.request.block_ids.extend(self.blocks.allocate(missing))
         return rows, tokens_left
@@ -876,7 +938,10 @@ class DeviceScheduler:
         now = self._clock()
         for row in rows:
             req = row.request
-            req.num_computed += row.length
+            # A row with drafts computes its first token for certain; the accepted drafts are added when its
+            # outputs arrive (process_outputs), so num_computed stays a lower bound while it is in flight.
+            req.num_computed += row.length - row.num_drafts
+            req.spec_slack += row.num_drafts
             if row.sample:
                 req.pending += 1
             if req.metrics.first_scheduled_time is None:
@@ -907,6 +972,7 @@ class DeviceScheduler:
         prompt_logprobs: tuple[Any, Any, Any, Any] | None = None,
         sum_smaller: Any = None,
         top_sum_smaller: Any = None,
+        num_accepted: Any = None,
     ) -> list[RequestOutput]:
         """Take the sampled tokens of ``batch`` (the oldest unprocessed one), apply stops, free what finished.
 
@@ -928,7 +994,13 @@ class DeviceScheduler:
             raise ValueError("process_outputs: steps must be processed in the order they were scheduled")
         del self._in_flight[batch]
         tokens = np.asarray(sampled_tokens)
-        if tokens.ndim != 1 or tokens.shape[0] < batch.num_seqs:
+        if tokens.ndim == 2:  # speculative: [S, K + 1] emitted tokens per row, num_accepted [S]
+            if num_accepted is None:
+                raise ValueError("process_outputs: [S, K + 1] sampled_tokens need num_accepted [S]")
+            accepted = np.asarray(num_accepted)
+        else:
+            accepted = None
+        if tokens.ndim not in (1, 2) or tokens.shape[0] < batch.num_seqs:
             raise ValueError(f"sampled_tokens has shape {tokens.shape}, expected at least [{batch.num_seqs}]")
         arrays = {
             name: None if value is None else np.asarray(value)
@@ -956,7 +1028,10 @@ class DeviceScheduler:
                 self.stats.num_wasted_samples += 1
                 continue
             req.pending -= 1
-            self._append_token(req, int(tokens[i]), i, arrays, now)
+            if accepted is None:
+                self._append_token(req, int(tokens[i]), i, arrays, now)
+            else:
+                self._append_run(req, row, tokens[i], int(accepted[i]), i, arrays, now)
             if req.status is RequestStatus.FINISHED:
                 done = self._final_output(req)
                 if done is not None:
@@ -964,6 +1039,39 @@ class DeviceScheduler:
             elif self.stream:
                 streamed.append((req.parent or req).to_output(final=False))
         return finished + streamed + self.take_ready_outputs()
+
+    def _append_run(
+        self,
+        req: Request,
+        row: ScheduledRow,
+        emitted: np.ndarray,
+        accepted: int,
+        i: int,
+        arrays: dict[str, np.ndarray | None],
+        now: float,
+    ) -> None:
+        """A speculative row's tokens: its ``accepted`` drafts, then the bonus token, each through the stop
+        checks in order; the tokens after a stop are dropped."""
+        nd = row.num_drafts
+        req.spec_slack -= nd
+        accepted = min(max(accepted, 0), nd)
+        if nd:
+            st = self.stats
+            if len(st.verified_at) < nd:
+                st.verified_at.extend([0] * (nd - len(st.verified_at)))
+                st.accepted_at.extend([0] * (nd - len(st.accepted_at)))
+            for j in range(nd):
+                st.verified_at[j] += 1
+                st.accepted_at[j] += j < accepted
+            st.num_spec_rows += 1
+            st.num_spec_emitted += accepted + 1
+        if req.status is RequestStatus.RUNNING:
+            req.num_computed += accepted  # the accepted drafts' cache entries are the sequence's
+        for j in range(accepted + 1):
+            view = {name: None if a is None else a[:, j] for name, a in arrays.items()}
+            self._append_token(req, int(emitted[j]), i, view, now)
+            if req.status is RequestStatus.FINISHED:
+                return
 
     def take_ready_outputs(self) -> list[RequestOutput]:
         """Outputs of requests that finished outside a step (those that can never fit the cache)."""
@@ -1191,6 +1299,8 @@ class Scheduler:
         self.tokenizer = first.tokenizer
         self.eos_token_ids = tuple(sorted(first.eos_token_ids))
         self.banned_token_ids = tuple(int(t) for t in banned_token_ids)
+        self.num_draft_tokens = first.num_draft_tokens
+        self.force_drafts = first.force_drafts
         self._assigned: list[dict[str, None]] = [{} for _ in self.devices]  # insertion-ordered request ids
         self._owner: dict[str, int] = {}
         # The loads as of the last change that went through this object (a batch of add_request calls between
@@ -1313,7 +1423,13 @@ class Scheduler:
         total = SchedulerStats()
         for s in self.devices:
             for f in dataclasses.fields(SchedulerStats):
-                setattr(total, f.name, getattr(total, f.name) + getattr(s.stats, f.name))
+                mine, theirs = getattr(total, f.name), getattr(s.stats, f.name)
+                if isinstance(mine, list):  # per draft position: summed elementwise
+                    width = max(len(mine), len(theirs))
+                    mine = [sum(v[i] for v in (mine, theirs) if i < len(v)) for i in range(width)]
+                    setattr(total, f.name, mine)
+                else:
+                    setattr(total, f.name, mine + theirs)
         return total
 
     # ---------------------------------------------------------------------------------------- steps
@@ -1342,6 +1458,8 @@ class Scheduler:
             vocab_size=self.vocab_size,
             eos_token_ids=self.eos_token_ids,
             banned_token_ids=self.banned_token_ids,
+            num_draft_tokens=self.num_draft_tokens,
+            force_drafts=self.force_drafts,
         )
         if plan.mask_seconds:
             self.devices[0].stats.num_masked_steps += 1

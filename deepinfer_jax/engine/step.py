@@ -104,10 +104,16 @@ class StepState(NamedTuple):
         reads).
       token_counts: int32 ``[num_slots, V]``: per-slot prompt flags and generated counts
         (:mod:`deepinfer_jax.sampling.counts`) for the repetition, presence and frequency penalties.
+      next_pos, drafts, draft_logprobs: speculative engines only (``None`` otherwise): the position of each
+        slot's pending token (int32 ``[num_slots]``), its ``K`` draft tokens for the next verification (int32
+        ``[num_slots, K]``) and the log-distributions they were drawn from (float32 ``[num_slots, K, V]``).
     """
 
     last_tokens: jax.Array
     token_counts: jax.Array
+    next_pos: jax.Array | None = None
+    drafts: jax.Array | None = None
+    draft_logprobs: jax.Array | None = None
 
 
 class PromptLogprobs(NamedTuple):
@@ -145,6 +151,9 @@ class StepOutput(NamedTuple):
       expert_counts: int32 ``[Σ P / ep]`` the rows each local expert slot received in every slot-layout MoE
         layer (layers side by side in the order of :func:`~deepinfer_jax.parallel.manual.expert_count_layout`)
         when the step was built with ``counts=True``; else ``None``.
+      num_accepted: speculative engines: int32 ``[S]`` drafts each row accepted; ``tokens`` (and the logprob
+        fields) are then ``[S, K + 1]``, the row's accepted drafts followed by its bonus token (-1 after it).
+      accept_prob: speculative engines: float32 ``[S, K]`` each verify row's acceptance probability.
     """
 
     tokens: jax.Array
@@ -157,6 +166,8 @@ class StepOutput(NamedTuple):
     expert_counts: jax.Array | None = None
     sum_smaller: jax.Array | None = None
     top_sum_smaller: jax.Array | None = None
+    num_accepted: jax.Array | None = None
+    accept_prob: jax.Array | None = None
 
 
 def prompt_logprobs(
@@ -176,18 +187,28 @@ def prompt_logprobs(
     )
 
 
-def init_state(num_slots: int, vocab_size: int) -> StepState:
-    """A fresh state for ``num_slots`` state slots (slot ids as the block/slot manager hands them out)."""
+def init_state(num_slots: int, vocab_size: int, num_draft_tokens: int = 0) -> StepState:
+    """A fresh state for ``num_slots`` state slots (slot ids as the block/slot manager hands them out), with the
+    draft pool of ``num_draft_tokens`` drafts per slot when the engine speculates."""
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
         raise ValueError(f"num_slots: expected a positive int, got {num_slots!r}")
-    return StepState(
+    state = StepState(
         last_tokens=jnp.zeros((num_slots,), jnp.int32), token_counts=init_token_counts(num_slots, vocab_size)
     )
+    k = num_draft_tokens
+    if k:
+        state = state._replace(
+            next_pos=jnp.zeros((num_slots,), jnp.int32),
+            drafts=jnp.zeros((num_slots, k), jnp.int32),
+            draft_logprobs=jnp.zeros((num_slots, k, vocab_size), jnp.float32),
+        )
+    return state
 
 
-def state_bytes(num_slots: int, vocab_size: int) -> int:
+def state_bytes(num_slots: int, vocab_size: int, num_draft_tokens: int = 0) -> int:
     """Device bytes of :func:`init_state` (memory planning reserves them before sizing the cache)."""
-    return num_slots * 4 * (1 + vocab_size)
+    k = num_draft_tokens
+    return num_slots * 4 * (1 + vocab_size + (1 + k + k * vocab_size if k else 0))
 
 
 def device_step(
@@ -202,6 +223,7 @@ def device_step(
     batch_invariant: bool = False,
     return_logits: bool = False,
     sampler: SamplerOptions | None = None,
+    num_draft_tokens: int = 0,
 ) -> tuple[Any, StepState, StepOutput]:
     """One device's part of a step (module docstring): ``(cache, state, StepOutput)``.
 
@@ -215,7 +237,37 @@ def device_step(
     if inputs.copies is not None:  # forks: copy-on-write blocks and cloned slots, before any row runs
         c = inputs.copies
         cache = model.copy_cache(cache, c.block_src, c.block_dst, c.slot_src, c.slot_dst)
-        state = StepState(*(copy_rows(a, c.slot_src, c.slot_dst) for a in state))
+        state = StepState(*(None if a is None else copy_rows(a, c.slot_src, c.slot_dst) for a in state))
+    if num_draft_tokens:
+        from deepinfer_jax.engine.spec_step import spec_device_step
+
+        cache, state, spec_out = spec_device_step(
+            params,
+            cache,
+            state,
+            inputs,
+            model=model,
+            num_draft_tokens=num_draft_tokens,
+            num_logprobs=num_logprobs,
+            num_prompt_logprobs=num_prompt_logprobs,
+            batch_invariant=batch_invariant,
+            sampler=sampler,
+            tile=BATCH_INVARIANT_TILE if batch_invariant else None,
+        )
+        return (
+            cache,
+            state,
+            StepOutput(
+                spec_out["tokens"],
+                spec_out["logprob"],
+                spec_out["rank"],
+                spec_out["top_ids"],
+                spec_out["top_logprobs"],
+                prompt=spec_out["prompt"],
+                num_accepted=spec_out["num_accepted"],
+                accept_prob=spec_out["accept_prob"],
+            ),
+        )
     num_seqs = inputs.seq_slots.shape[0]
     num_tokens = inputs.token_ids.shape[0]
     num_slots = state.last_tokens.shape[0]
@@ -280,7 +332,7 @@ def device_step(
         sum_smaller=out.sum_smaller if sampler.sum_smaller else None,
         top_sum_smaller=out.top_sum_smaller if sampler.sum_smaller else None,
     )
-    return cache, StepState(last_tokens, counts), result
+    return cache, state._replace(last_tokens=last_tokens, token_counts=counts), result
 
 
 def step(
@@ -298,6 +350,7 @@ def step(
     counts: bool = False,
     selection: OpSelection | None = None,
     sampler: SamplerOptions | None = None,
+    num_draft_tokens: int = 0,
 ) -> tuple[Any, StepState, StepOutput]:
     """One engine step on every device of ``mesh`` at once: :func:`device_step` inside one ``jax.shard_map``.
 
@@ -326,6 +379,7 @@ def step(
                 batch_invariant=batch_invariant,
                 return_logits=return_logits,
                 sampler=sampler,
+                num_draft_tokens=num_draft_tokens,
             )
         if counts:
             out = out._replace(expert_counts=expert_counts(scope, layout))
@@ -453,6 +507,7 @@ class StepExecutor:
         expert_counts: bool = False,
         selection: OpSelection | None = None,
         sampler: SamplerOptions | None = None,
+        num_draft_tokens: int = 0,
     ) -> None:
         if not isinstance(model, PagedModel):
             raise TypeError(f"model: expected a PagedModel, got {type(model).__name__}")
@@ -481,7 +536,9 @@ class StepExecutor:
             "counts": self.returns_expert_counts,
             "selection": selection,
             "sampler": sampler or SamplerOptions(),
+            "num_draft_tokens": int(num_draft_tokens),
         }
+        self.num_draft_tokens = int(num_draft_tokens)
         self._sharding = NamedSharding(mesh, DEVICE_SPEC)
         self._compiled: dict[tuple[int, ...], Any] = {}
         self._lock = threading.Lock()
@@ -490,7 +547,7 @@ class StepExecutor:
         self.compile_cache_hits = 0
         self.on_compile: Callable[[int | None, int | None], None] | None = None
         self.cache = self._stacked(lambda: model.init_cache(num_blocks, num_slots))
-        self.state = self._stacked(lambda: init_state(num_slots, self.vocab_size))
+        self.state = self._stacked(lambda: init_state(num_slots, self.vocab_size, self.num_draft_tokens))
 
     @property
     def compiled_buckets(self) -> tuple[tuple[int, int], ...]:
@@ -610,4 +667,4 @@ class StepExecutor:
 
     def reset_state(self) -> None:
         """Zero every device's per-slot state; the caches need no reset (every read follows its write)."""
-        self.state = self._stacked(lambda: init_state(self.num_slots, self.vocab_size))
+        self.state = self._stacked(lambda: init_state(self.num_slots, self.vocab_size, self.num_draft_tokens))

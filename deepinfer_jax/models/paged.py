@@ -75,6 +75,43 @@ class PagedModel(abc.ABC):
         """
 
 
+    # ---- speculative decoding (engine/step.py): families with draft layers override these.
+
+    @property
+    def num_draft_layers(self) -> int:
+        """Draft layers the family runs in the step (V3's MTP layers); 0: the model cannot draft."""
+        return 0
+
+    def forward_hidden(
+        self, params: Any, cache: Any, token_ids: jax.Array, meta: RaggedMeta, *, tile: int | None
+    ) -> tuple[jax.Array, Any]:
+        """:meth:`forward` up to the LM head's input: ``(hidden [T, H], cache)``."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft")
+
+    def head(self, params: Any, hidden: jax.Array, *, tile: int | None) -> jax.Array:
+        """Float32 logits ``[N, V]`` of LM-head inputs ``hidden [N, H]`` (:meth:`forward_hidden`'s rows)."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft")
+
+    def draft_hidden(
+        self,
+        params: Any,
+        cache: Any,
+        hidden: jax.Array,
+        next_ids: jax.Array,
+        meta: RaggedMeta,
+        *,
+        tile: int | None,
+    ) -> tuple[jax.Array, Any]:
+        """The draft layer over a ragged batch: token ``t`` at position ``p`` pairs ``hidden[t]`` with the token
+        at ``p + 1`` (``next_ids[t]``) and writes the draft layer's cache at ``p``; ``(hidden_out [T, H],
+        cache)``, whose :meth:`draft_head` predicts the token at ``p + 2``."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft")
+
+    def draft_head(self, params: Any, hidden: jax.Array, *, tile: int | None) -> jax.Array:
+        """Float32 draft logits ``[N, V]`` of :meth:`draft_hidden`'s outputs."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft")
+
+
 def copy_rows(x: jax.Array, src: jax.Array, dst: jax.Array, axis: int = 0) -> jax.Array:
     """``x`` with its entries ``dst`` along ``axis`` replaced by its entries ``src`` (int32 ``[K]`` each; a
     negative destination skips its pair). The destinations are distinct and never sources, so the copies

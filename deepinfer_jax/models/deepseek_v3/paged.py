@@ -39,6 +39,8 @@ __all__ = [
     "cache_storage",
     "forward_logits",
     "forward_paged",
+    "mtp_logits",
+    "mtp_paged",
     "paged_decoder_layer",
     "paged_model",
 ]
@@ -161,6 +163,13 @@ def forward_paged(
     return select("rms_norm")(x, params["norm"], eps=cfg.rms_norm_eps), cache
 
 
+def _paged_meta(cache: jax.Array, meta: RaggedMeta) -> PagedMeta:
+    blocks, offsets = slot_mapping(
+        meta.block_tables, meta.token_seq, meta.positions, cache.shape[2], cache.shape[1]
+    )
+    return PagedMeta(blocks, offsets, meta.token_seq, meta.positions, meta.block_tables, meta.context_lens)
+
+
 def forward_logits(
     params: Params,
     cfg: DeepseekV3Config,
@@ -172,14 +181,53 @@ def forward_logits(
     logit_index: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Float32 logits of the tokens ``logit_index`` (default each row's last token) and the updated cache."""
-    blocks, offsets = slot_mapping(
-        meta.block_tables, meta.token_seq, meta.positions, cache.shape[2], cache.shape[1]
-    )
-    paged = PagedMeta(blocks, offsets, meta.token_seq, meta.positions, meta.block_tables, meta.context_lens)
-    hidden, cache = forward_paged(params, cfg, token_ids, cache, paged, tile=tile)
+    hidden, cache = forward_paged(params, cfg, token_ids, cache, _paged_meta(cache, meta), tile=tile)
     index = meta.last_token() if logit_index is None else logit_index
     logits = rowwise(lambda h: lm_head(h, params["lm_head"]), tile, hidden[index])
     return logits, cache
+
+
+def mtp_paged(
+    params: Params,
+    cfg: DeepseekV3Config,
+    hidden: jax.Array,
+    next_ids: jax.Array,
+    cache: jax.Array,
+    meta: RaggedMeta,
+    *,
+    tile: int | None = None,
+    depth: int = 0,
+) -> tuple[jax.Array, jax.Array]:
+    """MTP layer ``depth`` over a flat ragged batch: its post-norm hidden states ``[T, H]`` and the cache.
+
+    Token ``t`` at position ``p`` pairs the main model's post-final-norm hidden state ``hidden[t]`` (or, for a
+    second draft step, the MTP layer's own output) with ``next_ids[t]``, the token at ``p + 1``; the layer's
+    latent is written to cache layer ``num_hidden_layers + depth`` at ``p``, so later steps attend to it. Its
+    head (:func:`mtp_logits`) predicts the token at ``p + 2``. The same computation as
+    :func:`deepinfer_jax.models.deepseek_v3.model.mtp_forward`, over the paged cache.
+    """
+    pl = v3_model.plan(cfg, jnp.dtype(params["embed"].dtype).name)
+    p = params["mtp"][depth]
+    rms_norm = select("rms_norm")
+    eps = cfg.rms_norm_eps
+    dtype = jnp.dtype(pl.dtype)
+
+    def project(h: jax.Array, ids: jax.Array) -> jax.Array:
+        e = rms_norm(embed_tokens(p["embed"], ids, dtype=dtype), p["enorm"], eps=eps)
+        h = rms_norm(h.astype(dtype), p["hnorm"], eps=eps)
+        return linear(jnp.concatenate([e, h], axis=-1)[None], p["eh_proj"], pl.numerics)[0]
+
+    x = rowwise(project, tile, hidden, next_ids)
+    cos, sin = pl.cos_sin(meta.positions)
+    layer = cfg.num_hidden_layers + depth
+    x, cache = paged_decoder_layer(x, p["layer"], pl, cos, sin, cache, layer, _paged_meta(cache, meta), tile=tile)
+    return rms_norm(x, p["head_norm"], eps=eps), cache
+
+
+def mtp_logits(params: Params, hidden: jax.Array, *, tile: int | None = None, depth: int = 0) -> jax.Array:
+    """Float32 draft logits of MTP layer ``depth`` from its post-norm hidden states ``[N, H]``."""
+    head = params["mtp"][depth]["head"]
+    return rowwise(lambda h: lm_head(h, head), tile, hidden)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +273,33 @@ class V3PagedModel(PagedModel):
         logit_index: jax.Array | None = None,
     ) -> tuple[jax.Array, Any]:
         return forward_logits(params, self.cfg, token_ids, cache, meta, tile=tile, logit_index=logit_index)
+
+    @property
+    def num_draft_layers(self) -> int:
+        return int(self.cfg.num_nextn_predict_layers)
+
+    def forward_hidden(
+        self, params: Any, cache: Any, token_ids: jax.Array, meta: RaggedMeta, *, tile: int | None
+    ) -> tuple[jax.Array, Any]:
+        return forward_paged(params, self.cfg, token_ids, cache, _paged_meta(cache, meta), tile=tile)
+
+    def head(self, params: Any, hidden: jax.Array, *, tile: int | None) -> jax.Array:
+        return rowwise(lambda h: lm_head(h, params["lm_head"]), tile, hidden)
+
+    def draft_hidden(
+        self,
+        params: Any,
+        cache: Any,
+        hidden: jax.Array,
+        next_ids: jax.Array,
+        meta: RaggedMeta,
+        *,
+        tile: int | None,
+    ) -> tuple[jax.Array, Any]:
+        return mtp_paged(params, self.cfg, hidden, next_ids, cache, meta, tile=tile)
+
+    def draft_head(self, params: Any, hidden: jax.Array, *, tile: int | None) -> jax.Array:
+        return mtp_logits(params, hidden, tile=tile)
 
 
 def cache_storage(dtype: str, kv_cache_dtype: str = "auto") -> str:

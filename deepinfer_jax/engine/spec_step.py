@@ -1,0 +1,228 @@
+"""The device side of a speculative engine step: verification rows, acceptance, and the next drafts.
+
+A step of an engine built with ``K = num_draft_tokens > 0`` runs here instead of the plain path of
+:func:`deepinfer_jax.engine.step.device_step` (``docs/speculative.md``). For one device's tokens it
+
+1. **places the decode rows** (``SpecInputs.shifted``): the host plans them at a guessed first position (the
+   fewest tokens its in-flight steps can have emitted); the device moves them to where the slot's pending token
+   really is, ``state.next_pos[slot]``, together with their context lengths and the positions their samples
+   are keyed by. So the host never needs a step's accepted count to schedule the next step, and one step stays
+   in flight;
+2. **assembles** the tokens: ``-1`` is the slot's last sampled token, ``-2`` at offset ``j`` of a row is the
+   slot's draft ``j`` from the draft pool in the state (``state.drafts``);
+3. records the non-draft input tokens in the penalty counts (drafts enter only once accepted);
+4. runs the **model** to its LM-head input over every token, and the LM head on each row's verification rows:
+   a row with ``n`` drafts (``SpecInputs.num_drafts``) has ``n + 1`` of them, its last ``n + 1`` tokens; the
+   logits of token ``j`` verify draft ``j + 1`` and the last one is the fresh row (a row without drafts is the
+   plain case: its last token samples);
+5. **verifies** with :func:`deepinfer_jax.sampling.speculative.verify` (the penalties of verify row ``j`` see the
+   drafts before it): the accepted prefix and the bonus token;
+6. **advances the state** of every sampling row: the bonus token becomes ``last_tokens``, its position
+   ``next_pos``, the accepted drafts enter the counts;
+7. **drafts** the next step's ``K`` tokens with the model's draft layer (V3's MTP layer): every token of the
+   step is paired with the token after it (the next input token of its row; the bonus token after the last
+   accepted one; the next prompt token, ``SpecInputs.next_ids``, after a prefill chunk that does not sample), the
+   draft layer writes its own cache at every position, and its head at the last accepted position proposes
+   draft 1. Drafts 2..K run the draft layer again, one token per row, on its own output and the previous draft
+   (SGLang's NextN does the same). Drafts are drawn with the request's own sampling parameters (no penalties) and
+   their distributions kept for the next verification (``state.draft_logprobs``).
+
+Rejected positions need no rollback: their cache entries (main and draft layers) lie past the bonus token's
+position and are written again, in position order, before any later token reads them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.cache.ragged import make_meta
+from deepinfer_jax.models.paged import PagedModel
+from deepinfer_jax.sampling import reset_token_counts, update_token_counts
+from deepinfer_jax.sampling.speculative import draft_sample, verify
+from deepinfer_jax.sampling.tensors import SamplingTensors
+
+__all__ = ["DRAFT_TOKEN", "spec_device_step"]
+
+DRAFT_TOKEN = -2
+"""Token id meaning "the slot's next draft token from the draft pool" (the plan's marker for draft inputs)."""
+
+
+def _rows_of(st: SamplingTensors, width: int) -> SamplingTensors:
+    """Every field of ``st`` (``[S, ...]``) repeated for ``width`` verification rows: ``[S, width, ...]``."""
+    return SamplingTensors(*(jnp.repeat(a[:, None], width, axis=1) for a in st))
+
+
+def spec_device_step(
+    params: Any,
+    cache: Any,
+    state: Any,
+    inputs: Any,
+    *,
+    model: PagedModel,
+    num_draft_tokens: int,
+    num_logprobs: int,
+    num_prompt_logprobs: int,
+    batch_invariant: bool,
+    sampler: Any,
+    tile: int | None,
+) -> tuple[Any, Any, dict[str, Any]]:
+    """One device's speculative step (module docstring): ``(cache, state, outputs)``.
+
+    ``outputs`` holds ``tokens [S, K + 1]`` (the emitted tokens of each row: accepted drafts, then the bonus),
+    ``num_accepted [S]``, their ``logprob`` / ``rank`` ``[S, K + 1]`` and ``top_ids`` / ``top_logprobs``
+    ``[S, K + 1, n]``, ``accept_prob [S, K]``, and ``prompt`` (or ``None``).
+    """
+    from deepinfer_jax.engine.step import prompt_logprobs
+
+    k = num_draft_tokens
+    spec = inputs.spec
+    num_seqs = inputs.seq_slots.shape[0]
+    num_tokens = inputs.token_ids.shape[0]
+    num_slots = state.last_tokens.shape[0]
+    vocab = state.token_counts.shape[1]
+    real = inputs.token_seq < num_seqs
+    row = jnp.where(real, inputs.token_seq, 0)
+    seq_slot = jnp.clip(inputs.seq_slots, 0, num_slots - 1)
+    slot_of_token = seq_slot[row]
+    starts = inputs.query_start[:-1]
+    ends = inputs.query_start[1:]
+    lengths = ends - starts
+    nd = jnp.where(inputs.seq_slots >= 0, spec.num_drafts, 0)
+
+    # 1. Decode rows move to the device's own position of their pending token.
+    first_pos = inputs.positions[jnp.clip(starts, 0, num_tokens - 1)]
+    shift = jnp.where(spec.shifted & (inputs.seq_slots >= 0), state.next_pos[seq_slot] - first_pos, 0)
+    positions = jnp.where(real, inputs.positions + shift[row], 0)
+    context_lens = jnp.where(inputs.seq_slots >= 0, inputs.context_lens + shift, 0)
+
+    # 2. Tokens: pending -> last sampled token, drafts -> the slot's pool.
+    offset = jnp.arange(num_tokens, dtype=jnp.int32) - starts[row]
+    pool_index = jnp.clip(offset - 1, 0, k - 1)
+    forced_tok = spec.forced[row, jnp.minimum(pool_index, spec.forced.shape[1] - 1)]
+    pool = jnp.where(forced_tok >= 0, forced_tok, state.drafts[slot_of_token, pool_index])
+    token_ids = inputs.token_ids
+    is_draft = real & (token_ids == DRAFT_TOKEN)
+    token_ids = jnp.where(token_ids == -1, state.last_tokens[slot_of_token], token_ids)
+    token_ids = jnp.where(is_draft, pool, token_ids)
+    token_ids = jnp.where(real, token_ids, 0)
+
+    # 3. Penalty counts: every input but the drafts, before the rows sample.
+    fresh = (lengths > 0) & (first_pos == 0)
+    counts = reset_token_counts(state.token_counts, jnp.where(fresh, inputs.seq_slots, -1))
+    token_slots = jnp.where(real & ~is_draft, inputs.seq_slots[row], -1)
+    counts = update_token_counts(counts, token_slots, token_ids, positions < inputs.prompt_lens[row])
+
+    # 4. The model, and the LM head on every verification row.
+    meta = make_meta(inputs.token_seq, positions, inputs.query_start, context_lens, inputs.seq_slots, inputs.block_tables)
+    hidden, cache = model.forward_hidden(params, cache, token_ids, meta, tile=tile)
+    j = jnp.arange(k + 1, dtype=jnp.int32)
+    verify_index = jnp.clip(ends[:, None] - 1 - nd[:, None] + jnp.minimum(j[None], nd[:, None]), 0, num_tokens - 1)
+    prompt_out = None
+    if num_prompt_logprobs >= 0:
+        all_logits = model.head(params, hidden, tile=tile)
+        prompt_out = prompt_logprobs(all_logits, inputs.prompt_targets, num_prompt_logprobs, batch_invariant=batch_invariant)
+        logits = all_logits[verify_index.reshape(-1)]
+    else:
+        logits = model.head(params, hidden[verify_index.reshape(-1)], tile=tile)
+    logits = logits.reshape(num_seqs, k + 1, vocab)
+
+    # 5. Verification. Row j samples the token at (its position + 1); the host keyed the last row.
+    st = inputs.sampling._replace(position=inputs.sampling.position + shift)
+    rows_st = _rows_of(st, k + 1)
+    rows_st = rows_st._replace(position=rows_st.position - nd[:, None] + j[None])
+    drafts = state.drafts[seq_slot]  # [S, K]
+    draft_lps = state.draft_logprobs[seq_slot]
+    forced = spec.forced[:, :k] >= 0  # the force_draft_tokens test hook: point-mass drafts
+    drafts = jnp.where(forced, spec.forced[:, :k], drafts)
+    point = jnp.where(jax.nn.one_hot(drafts, vocab, dtype=jnp.bool_), 0.0, -jnp.inf)
+    draft_lps = jnp.where(forced[..., None], point, draft_lps)
+    used = jnp.arange(k, dtype=jnp.int32)[None] < nd[:, None]
+    onehot = jax.nn.one_hot(jnp.where(used, drafts, vocab), vocab, dtype=jnp.int32)  # vocab -> all zeros
+    before = jnp.concatenate([jnp.zeros_like(onehot[:, :1]), jnp.cumsum(onehot, axis=1)], axis=1)
+    row_counts = counts[seq_slot][:, None] + before  # [S, K + 1, V]
+    out = verify(
+        logits,
+        rows_st,
+        row_counts,
+        jnp.where(used, drafts, -1),
+        draft_lps,
+        nd,
+        num_logprobs=num_logprobs,
+        logprobs_mode=sampler.logprobs_mode,
+        force_top_k=sampler.force_top_k,
+        batch_invariant=batch_invariant,
+    )
+    accepted = out.num_accepted
+    bonus = jnp.take_along_axis(out.tokens, accepted[:, None], axis=1)[:, 0]
+    ok = bonus >= 0
+
+    # 6. State of the sampling rows.
+    writes = inputs.sample & (inputs.seq_slots >= 0)
+    target = jnp.where(writes, inputs.seq_slots, num_slots)
+    bonus_pos = context_lens - nd + accepted  # the position of the bonus token (the next pending input)
+    last_tokens = state.last_tokens.at[target].set(jnp.where(ok, bonus, 0), mode="drop")
+    next_pos = state.next_pos.at[target].set(bonus_pos, mode="drop")
+    took = writes[:, None] & (jnp.arange(k, dtype=jnp.int32)[None] < accepted[:, None])
+    counts = update_token_counts(
+        counts, jnp.where(took, inputs.seq_slots[:, None], -1).reshape(-1), drafts.reshape(-1)
+    )
+
+    # 7. The next drafts. Token t pairs with the token after it; the row's last accepted token with the bonus.
+    last_valid = jnp.where(inputs.sample, lengths - 1 - nd + accepted, lengths - 1)  # per row, an offset
+    after = jnp.where(inputs.sample, bonus, spec.next_ids)
+    shifted_ids = jnp.concatenate([token_ids[1:], jnp.zeros((1,), token_ids.dtype)])
+    next_ids = jnp.where(offset == last_valid[row], after[row], jnp.where(offset < last_valid[row], shifted_ids, 0))
+    next_ids = jnp.where(real, jnp.clip(next_ids, 0, vocab - 1), 0)
+    draft_h, cache = model.draft_hidden(params, cache, hidden, next_ids, meta, tile=tile)
+    h = draft_h[jnp.clip(starts + last_valid, 0, num_tokens - 1)]  # [S, H]
+    draft_st = st._replace(golden=jnp.full_like(st.golden, -1))
+    sampling_row = writes & ok
+    tokens_k, logprobs_k = [], []
+    seq_index = jnp.arange(num_seqs, dtype=jnp.int32)
+    for i in range(k):
+        if i:
+            # Draft i + 1: the draft layer on its own output and draft i, at the position of draft i - 1's token.
+            pos = bonus_pos + i
+            step_meta = make_meta(
+                jnp.where(sampling_row, seq_index, num_seqs),
+                jnp.where(sampling_row, pos - 1, 0),
+                jnp.arange(num_seqs + 1, dtype=jnp.int32),
+                jnp.where(sampling_row, pos, 0),
+                inputs.seq_slots,
+                inputs.block_tables,
+            )
+            h, cache = model.draft_hidden(params, cache, h, tokens_k[-1], step_meta, tile=tile)
+        logits_i = model.draft_head(params, h, tile=tile)
+        d_i, lp_i = draft_sample(
+            logits_i,
+            draft_st._replace(position=bonus_pos + 1 + i),
+            force_top_k=sampler.force_top_k,
+            batch_invariant=batch_invariant,
+        )
+        tokens_k.append(d_i)
+        logprobs_k.append(lp_i)
+    new_drafts = jnp.stack(tokens_k, axis=1)
+    new_logprobs = jnp.stack(logprobs_k, axis=1)
+    pool_target = jnp.where(sampling_row, inputs.seq_slots, num_slots)
+    state = state._replace(
+        last_tokens=last_tokens,
+        token_counts=counts,
+        next_pos=next_pos,
+        drafts=state.drafts.at[pool_target].set(new_drafts, mode="drop"),
+        draft_logprobs=state.draft_logprobs.at[pool_target].set(new_logprobs, mode="drop"),
+    )
+    tokens = jnp.where(out.ok, out.tokens, -1).astype(jnp.int32)
+    outputs = {
+        "tokens": tokens,
+        "num_accepted": jnp.where(ok, accepted, 0).astype(jnp.int32),
+        "logprob": out.logprob,
+        "rank": out.rank,
+        "top_ids": out.top_ids,
+        "top_logprobs": out.top_logprobs,
+        "accept_prob": out.accept_prob,
+        "prompt": prompt_out,
+    }
+    return cache, state, outputs
