@@ -65,6 +65,8 @@ __all__ = [
     "apply_masks",
     "apply_penalties",
     "filter_logits",
+    "processed_logits",
+    "reported_values",
     "sample",
     "token_logprobs",
 ]
@@ -238,17 +240,29 @@ def _inclusive_cdf(probs: jax.Array, tokens: jax.Array) -> jax.Array:
     return jax.vmap(one)(tokens)
 
 
-def _sample_row(
+def processed_logits(
     logits: jax.Array,
     row: SamplingTensors,
     counts: jax.Array | None,
     *,
-    num_logprobs: int,
-    top_k_top_p: bool | None,
-    logprobs_mode: str,
     force_top_k: int,
-    sum_smaller: bool,
-) -> SampleOutput:
+    top_k_top_p: bool | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Stages 0–2 and 5–7 on one row: what :func:`sample` and speculative verification both draw from.
+
+    Args:
+      logits: ``[V]`` one row of raw logits (cast to float32).
+      row: that row's :class:`SamplingTensors` (every leaf without the row axis).
+      counts: int32 ``[V]`` its count state, or ``None`` for no penalties.
+      force_top_k: static; > 0 keeps only the row's top-k ids (0 = off).
+      top_k_top_p: as for :func:`filter_logits`.
+
+    Returns:
+      ``(x, final, ok)``: ``x`` the logits after bias, penalties, masks, allowed ids, grammar bitmask and
+      force-top-k (a greedy row takes its argmax); ``final`` the temperature-scaled, min_p/top-k/top-p filtered
+      logits a sampled row draws from (-inf where filtered); ``ok`` false when the raw logits hold a NaN or +inf
+      or no finite logit survives the masks.
+    """
     raw = logits.astype(jnp.float32)
     vocab = raw.shape[-1]
     x = raw
@@ -270,10 +284,38 @@ def _sample_row(
     if force_top_k:
         x = _force_top_k(x, min(force_top_k, x.shape[-1]))
     ok = ~jnp.any(jnp.isnan(raw)) & ~jnp.any(raw == jnp.inf) & jnp.any(jnp.isfinite(x))
+    final = filter_logits(x, row.temperature, row.min_p, row.top_k, row.top_p, top_k_top_p=top_k_top_p)
+    return x, final, ok
+
+
+def reported_values(raw: jax.Array, processed: jax.Array, logprobs_mode: str) -> jax.Array:
+    """One row's reported values (``logprobs_mode``) from its float32 raw logits and the logits its token is
+    drawn from (``x`` for a greedy row, ``final`` otherwise)."""
+    if logprobs_mode == "raw_logprobs":
+        return jax.nn.log_softmax(raw)
+    if logprobs_mode == "raw_logits":
+        return raw
+    if logprobs_mode == "processed_logprobs":
+        return jnp.maximum(jax.nn.log_softmax(processed), LOGPROB_FLOOR)
+    return processed
+
+
+def _sample_row(
+    logits: jax.Array,
+    row: SamplingTensors,
+    counts: jax.Array | None,
+    *,
+    num_logprobs: int,
+    top_k_top_p: bool | None,
+    logprobs_mode: str,
+    force_top_k: int,
+    sum_smaller: bool,
+) -> SampleOutput:
+    raw = logits.astype(jnp.float32)
+    x, final, ok = processed_logits(raw, row, counts, force_top_k=force_top_k, top_k_top_p=top_k_top_p)
     greedy = row.temperature <= 0
     greedy_token = jnp.argmax(x).astype(jnp.int32)
 
-    final = filter_logits(x, row.temperature, row.min_p, row.top_k, row.top_p, top_k_top_p=top_k_top_p)
     weights = fixed_point_weights(jax.nn.softmax(final))
     drawn = categorical_from_weights(weights, random_bits(row.seed, row.position))
 
@@ -281,14 +323,7 @@ def _sample_row(
     token = jnp.where(row.golden >= 0, row.golden, token)
     token = jnp.where(ok, token, 0)
     processed = jnp.where(greedy, x, final)  # the logits the token is drawn from
-    if logprobs_mode == "raw_logprobs":
-        reported = jax.nn.log_softmax(raw)
-    elif logprobs_mode == "raw_logits":
-        reported = raw
-    elif logprobs_mode == "processed_logprobs":
-        reported = jnp.maximum(jax.nn.log_softmax(processed), LOGPROB_FLOOR)
-    else:
-        reported = processed
+    reported = reported_values(raw, processed, logprobs_mode)
     top_ids, top_lps = _top_n(reported, num_logprobs)
     if sum_smaller:
         cdf = _inclusive_cdf(jax.nn.softmax(processed), jnp.concatenate([token[None], top_ids]))
