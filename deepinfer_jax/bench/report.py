@@ -117,6 +117,16 @@ def format_report(report: dict[str, Any]) -> str:
         )
     else:
         rows.append(("per step", "host/device split not available from this engine runner"))
+    spec = runs[-1].get("speculative")
+    if spec and spec.get("decode_rows"):
+        rates = "/".join(f"{r:.2f}" for r in spec["acceptance_rates"])
+        rows.append(
+            (
+                "speculative",
+                f"{spec['num_draft_tokens']} drafts: {spec['verified_per_step']:.2f} verified per decode row, mean "
+                f"accepted length {spec['mean_accepted_length']:.2f}, acceptance per position {rates} (last run)",
+            )
+        )
     if "baseline" in report:
         b = report["baseline"]
         info = b["info"]

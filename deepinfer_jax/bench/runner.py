@@ -149,6 +149,8 @@ class EngineBench:
                 seed=w.seed,
                 data_parallel_size=w.data_parallel_size,
                 expert_parallel_size=w.expert_parallel_size,
+                num_draft_tokens=w.num_draft_tokens,
+                speculative_variable_length=w.speculative_variable_length,
                 **w.engine_overrides,
             )
         except NotImplementedError as err:
@@ -213,6 +215,7 @@ class EngineBench:
         balancer = self.llm.expert_balancer
         if balancer is not None:
             moe_start = (balancer.total_peak, balancer.total_mean, balancer.rearrangements)
+        spec_start = self.llm.runner._spec_counters()
         ctx = timer.attach(self.llm) if measure_steps else contextlib.nullcontext(timer)
         with ctx:
             if w.online:
@@ -273,8 +276,31 @@ class EngineBench:
                 "moe_lb": peak / mean if mean > 0 else None,
                 "eplb_rearrangements": balancer.rearrangements - moe_start[2],
             }
+        run["speculative"] = _spec_summary(
+            self.llm.num_draft_tokens, spec_start, self.llm.runner._spec_counters()
+        )
         run["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
         return run
+
+
+def _spec_summary(
+    num_draft_tokens: int,
+    before: tuple[int, int, list[int], list[int]],
+    after: tuple[int, int, list[int], list[int]],
+) -> dict[str, Any]:
+    """A run's speculative-decoding metrics (docs/speculative.md, "metrics") from the scheduler's counters."""
+    rows, emitted = after[0] - before[0], after[1] - before[1]
+    verified = [v - (before[2][i] if i < len(before[2]) else 0) for i, v in enumerate(after[2])]
+    accepted = [a - (before[3][i] if i < len(before[3]) else 0) for i, a in enumerate(after[3])]
+    return {
+        "num_draft_tokens": num_draft_tokens,
+        "decode_rows": rows,
+        "verified_at": verified,
+        "accepted_at": accepted,
+        "acceptance_rates": [a / v if v else 0.0 for a, v in zip(accepted, verified, strict=True)],
+        "verified_per_step": sum(verified) / rows if rows else None,
+        "mean_accepted_length": emitted / rows if rows else None,
+    }
 
 
 def _server_steps(url: str, api_key: str | None) -> float | None:

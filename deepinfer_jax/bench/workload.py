@@ -154,6 +154,8 @@ class Workload:
         times (:meth:`arrival_times`, :mod:`deepinfer_jax.bench.online`), so TTFT includes queueing.
       burstiness: the gamma shape of the gaps between arrivals (1: Poisson arrivals); only with a rate.
       data_parallel_size, expert_parallel_size: the engine's ``(dp, ep)`` mesh, passed to ``LLM``.
+      num_draft_tokens, speculative_variable_length: speculative decoding, passed to ``LLM`` (``None``: the
+        config's, else ``LLM``'s default).
     """
 
     model: str = "tiny-v3"
@@ -180,6 +182,8 @@ class Workload:
     burstiness: float = 1.0
     data_parallel_size: int = 1
     expert_parallel_size: int = 1
+    num_draft_tokens: int | None = None
+    speculative_variable_length: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

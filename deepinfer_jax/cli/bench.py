@@ -68,6 +68,7 @@ def define_workload_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer(
         "expert_parallel_size", 1, "engine mesh: devices the routed experts are sharded over", flag_values=fv
     )
+    common.define_speculative_flags(fv)
     flags.DEFINE_multi_string(
         "set", [], "an engine config override, e.g. --set cache.block_size=16 (repeatable)", flag_values=fv
     )
@@ -98,6 +99,8 @@ def workload_from_flags(fv: flags.FlagValues, **changes: Any) -> Any:
         burstiness=fv.burstiness,
         data_parallel_size=fv.data_parallel_size,
         expert_parallel_size=fv.expert_parallel_size,
+        num_draft_tokens=fv.num_draft_tokens,
+        speculative_variable_length=fv.speculative_variable_length,
         engine_overrides=config_lib.parse_overrides(fv.set),
     )
     fields.update(changes)

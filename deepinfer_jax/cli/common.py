@@ -281,6 +281,7 @@ def define_engine_flags(fv: flags.FlagValues, *, max_tokens: int | None, samplin
     flags.DEFINE_integer(
         "expert_parallel_size", 1, "engine mesh: devices the routed experts are sharded over", flag_values=fv
     )
+    define_speculative_flags(fv)
     flags.DEFINE_multi_string(
         "set",
         [],
@@ -292,6 +293,24 @@ def define_engine_flags(fv: flags.FlagValues, *, max_tokens: int | None, samplin
         flags.DEFINE_boolean("progress", True, "show a progress bar", flag_values=fv)
     flags.DEFINE_boolean(
         "verbose", False, "print the KV cache plan (LLM also logs it at absl INFO)", flag_values=fv
+    )
+
+
+def define_speculative_flags(fv: flags.FlagValues) -> None:
+    """`--num_draft_tokens` and `--speculative_variable_length` (LLM's keywords of the same names)."""
+    flags.DEFINE_integer(
+        "num_draft_tokens",
+        None,
+        "speculative decoding: draft tokens per decode step, 0 = off (unset: the config's, else the model's "
+        "natural length: 1 per MTP layer for deepseek_v3, 0 where the family cannot draft yet)",
+        lower_bound=0,
+        flag_values=fv,
+    )
+    flags.DEFINE_boolean(
+        "speculative_variable_length",
+        None,
+        "speculative decoding: confidence-scheduled variable verification length (unset: the config's, else off)",
+        flag_values=fv,
     )
 
 
@@ -326,5 +345,7 @@ def llm_from_flags(fv: flags.FlagValues) -> Any:
         data_parallel_size=fv.data_parallel_size,
         expert_parallel_size=fv.expert_parallel_size,
         batch_invariant=fv["batch_invariant"].value if "batch_invariant" in fv else None,
+        num_draft_tokens=fv.num_draft_tokens,
+        speculative_variable_length=fv.speculative_variable_length,
         **config_lib.parse_overrides(fv.set),
     )

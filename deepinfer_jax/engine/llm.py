@@ -241,14 +241,14 @@ def host_device() -> jax.Device | None:
         return None
 
 
-def _draft_length(config: Any, sources: Mapping[str, str], model: Model) -> int:
+def _draft_length(config: Any, sources: Mapping[str, str]) -> int:
     """The engine's draft length: ``speculative.num_draft_tokens`` when set (a model that cannot draft it is a
     ``ValueError`` naming the field), else the model's natural length where the engine can draft for the family,
     else 0 (logged)."""
     field = "speculative.num_draft_tokens"
     where = sources.get(field, "the default")
     asked = config.speculative.num_draft_tokens
-    layers = int(getattr(model.config, "num_nextn_predict_layers", 0) or 0)
+    layers = int(getattr(config.model, "num_nextn_predict_layers", 0) or 0)
     family = str(getattr(config.model.family, "value", config.model.family))
     drafts_here = family == "deepseek_v3"  # the families whose paged model runs its draft layers in the step
     if asked is not None:
@@ -487,6 +487,8 @@ class LLM:
         family = get_family(str(getattr(config.require_model("LLM").family, "value", config.model.family)))
         cache_storage, _ = family.engine_support()
         cache_storage(dtype, kv_cache_dtype)  # before any weight is read
+        self.num_draft_tokens = _draft_length(config, sources)
+        """Draft tokens each decode row verifies (0: no speculative decoding; ``docs/speculative.md``)."""
         # A multi-process run joins its peers before anything touches a JAX backend; then the mesh, before any
         # weight is read (more devices than exist is a ValueError naming both sizes).
         distributed.initialize(config.parallel)
@@ -520,8 +522,6 @@ class LLM:
         )
         self.seed = seed
         self.batch_invariant = bool(config.ops.batch_invariant)
-        self.num_draft_tokens = _draft_length(config, sources, self.model)
-        """Draft tokens each decode row verifies (0: no speculative decoding; ``docs/speculative.md``)."""
         # From here on the budgets are one device's (docs/engine.md, "budgets on a mesh").
         max_num_seqs = device_share(max_num_seqs, num_devices)
         max_num_batched_tokens = device_share(max_num_batched_tokens, num_devices)

@@ -33,9 +33,9 @@ from deepinfer_jax.engine.grammar import fill_masks
 from deepinfer_jax.sampling.tensors import SamplingTensors
 
 __all__ = [
+    "DRAFT_TOKEN",
     "LOGPROB_VARIANTS",
     "PENDING_TOKEN",
-    "DRAFT_TOKEN",
     "CacheCopies",
     "DeviceBatch",
     "PlanView",

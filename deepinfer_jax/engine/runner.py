@@ -65,6 +65,31 @@ class RunStats:
     placeholder_plans: int = 0
     eplb_rearrangements: int = 0
     moe_lb: float | None = None
+    spec_rows: int = 0
+    spec_emitted: int = 0
+    verified_at: tuple[int, ...] = ()
+    accepted_at: tuple[int, ...] = ()
+
+    @property
+    def acceptance_rates(self) -> tuple[float, ...]:
+        """Speculative decoding: ``accepted@k / verified@k`` for each draft position ``k`` (empty without drafts)."""
+        return tuple(a / v if v else 0.0 for a, v in zip(self.accepted_at, self.verified_at, strict=True))
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a decode row with drafts emitted on average (``1 + accepted / rows``); ``None`` without drafts."""
+        return self.spec_emitted / self.spec_rows if self.spec_rows else None
+
+    @property
+    def verified_per_step(self) -> float | None:
+        """Drafts a decode row verified on average (``Σ verified / rows``); ``None`` without drafts."""
+        return sum(self.verified_at) / self.spec_rows if self.spec_rows else None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """All positions together: ``Σ accepted / Σ verified``; ``None`` without drafts."""
+        verified = sum(self.verified_at)
+        return sum(self.accepted_at) / verified if verified else None
 
     @property
     def run_seconds(self) -> float:
@@ -89,6 +114,12 @@ class RunStats:
             f"{self.seconds:.2f} s ({rate:.1f} tokens/s excluding compilation), {self.steps} steps, "
             f"{self.compile_count} compilations ({self.compile_seconds:.2f} s{cached})"
         )
+        if self.spec_rows:
+            rates = "/".join(f"{r:.2f}" for r in self.acceptance_rates)
+            line += (
+                f", speculative: {self.verified_per_step:.2f} drafts verified per decode row, mean accepted length "
+                f"{self.mean_accepted_length:.2f}, acceptance per position {rates}"
+            )
         if self.dp * self.ep == 1:
             return line
         extra = ""
@@ -126,6 +157,11 @@ def _tree_to_host(tree: Any) -> Any:
     if all(x.is_fully_addressable for x in leaves):
         return jax.tree.map(np.asarray, jax.device_get(tree))
     return jax.tree.map(_to_host, tree)
+
+
+def _minus(after: list[int], before: list[int]) -> tuple[int, ...]:
+    """Elementwise ``after - before`` of two per-position counter lists (``before`` may be shorter)."""
+    return tuple(a - (before[i] if i < len(before) else 0) for i, a in enumerate(after))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +256,13 @@ class EngineRunner:
                     self.executor.params = self.balancer.rearrange(self.executor.params)
         return finished
 
+    def _spec_counters(self) -> tuple[int, int, list[int], list[int]]:
+        """The scheduler's speculative-decoding counters so far (summed over devices)."""
+        st = getattr(self.scheduler, "stats", None)
+        if st is None or not hasattr(st, "num_spec_rows"):
+            return 0, 0, [], []
+        return st.num_spec_rows, st.num_spec_emitted, list(st.verified_at), list(st.accepted_at)
+
     def _periodic(self, stats: RunStats, start: float) -> None:
         """The statistics line and the garbage collection due after this many steps."""
         opts, n = self.options, stats.steps
@@ -264,6 +307,7 @@ class EngineRunner:
         compiles, compile_s = self.executor.compile_count, self.executor.compile_seconds
         cache_hits = self.executor.compile_cache_hits
         placeholders = self.placeholder_plans
+        spec_before = self._spec_counters()
         balancer = self.balancer
         peak, mean = (balancer.total_peak, balancer.total_mean) if balancer is not None else (0.0, 0.0)
         replaced = balancer.rearrangements if balancer is not None else 0
@@ -315,6 +359,10 @@ class EngineRunner:
         stats.compile_seconds = self.executor.compile_seconds - compile_s
         stats.compile_cache_hits = self.executor.compile_cache_hits - cache_hits
         stats.placeholder_plans = self.placeholder_plans - placeholders
+        rows, emitted, verified, accepted = self._spec_counters()
+        stats.spec_rows, stats.spec_emitted = rows - spec_before[0], emitted - spec_before[1]
+        stats.verified_at = _minus(verified, spec_before[2])
+        stats.accepted_at = _minus(accepted, spec_before[3])
         if balancer is not None:
             stats.eplb_rearrangements = balancer.rearrangements - replaced
             if balancer.total_mean > mean:

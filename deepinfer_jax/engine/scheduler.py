@@ -884,8 +884,10 @@ class DeviceScheduler:
                 new_blocks += max(0, self.blocks.blocks_for(need) - len(req.block_ids))
                 forced: tuple[int, ...] = ()
                 if nd and self._forced_drafts(req):
+                    # The test hook verifies the golden tokens that remain (fewer drafts near their end).
                     n = len(req.output_token_ids)
                     forced = tuple(int(t) for t in req.params.golden_token_ids[n : n + nd])
+                    nd = len(forced)
                 rows.append(
                     ScheduledRow(
                         req,

@@ -116,14 +116,20 @@ def spec_device_step(
     counts = update_token_counts(counts, token_slots, token_ids, positions < inputs.prompt_lens[row])
 
     # 4. The model, and the LM head on every verification row.
-    meta = make_meta(inputs.token_seq, positions, inputs.query_start, context_lens, inputs.seq_slots, inputs.block_tables)
+    meta = make_meta(
+        inputs.token_seq, positions, inputs.query_start, context_lens, inputs.seq_slots, inputs.block_tables
+    )
     hidden, cache = model.forward_hidden(params, cache, token_ids, meta, tile=tile)
     j = jnp.arange(k + 1, dtype=jnp.int32)
-    verify_index = jnp.clip(ends[:, None] - 1 - nd[:, None] + jnp.minimum(j[None], nd[:, None]), 0, num_tokens - 1)
+    verify_index = jnp.clip(
+        ends[:, None] - 1 - nd[:, None] + jnp.minimum(j[None], nd[:, None]), 0, num_tokens - 1
+    )
     prompt_out = None
     if num_prompt_logprobs >= 0:
         all_logits = model.head(params, hidden, tile=tile)
-        prompt_out = prompt_logprobs(all_logits, inputs.prompt_targets, num_prompt_logprobs, batch_invariant=batch_invariant)
+        prompt_out = prompt_logprobs(
+            all_logits, inputs.prompt_targets, num_prompt_logprobs, batch_invariant=batch_invariant
+        )
         logits = all_logits[verify_index.reshape(-1)]
     else:
         logits = model.head(params, hidden[verify_index.reshape(-1)], tile=tile)
@@ -174,7 +180,9 @@ def spec_device_step(
     last_valid = jnp.where(inputs.sample, lengths - 1 - nd + accepted, lengths - 1)  # per row, an offset
     after = jnp.where(inputs.sample, bonus, spec.next_ids)
     shifted_ids = jnp.concatenate([token_ids[1:], jnp.zeros((1,), token_ids.dtype)])
-    next_ids = jnp.where(offset == last_valid[row], after[row], jnp.where(offset < last_valid[row], shifted_ids, 0))
+    next_ids = jnp.where(
+        offset == last_valid[row], after[row], jnp.where(offset < last_valid[row], shifted_ids, 0)
+    )
     next_ids = jnp.where(real, jnp.clip(next_ids, 0, vocab - 1), 0)
     draft_h, cache = model.draft_hidden(params, cache, hidden, next_ids, meta, tile=tile)
     h = draft_h[jnp.clip(starts + last_valid, 0, num_tokens - 1)]  # [S, H]

@@ -74,7 +74,6 @@ class PagedModel(abc.ABC):
         (batch-invariant mode, :mod:`deepinfer_jax.ops.tiling`).
         """
 
-
     # ---- speculative decoding (engine/step.py): families with draft layers override these.
 
     @property

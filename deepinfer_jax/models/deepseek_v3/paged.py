@@ -220,7 +220,9 @@ def mtp_paged(
     x = rowwise(project, tile, hidden, next_ids)
     cos, sin = pl.cos_sin(meta.positions)
     layer = cfg.num_hidden_layers + depth
-    x, cache = paged_decoder_layer(x, p["layer"], pl, cos, sin, cache, layer, _paged_meta(cache, meta), tile=tile)
+    x, cache = paged_decoder_layer(
+        x, p["layer"], pl, cos, sin, cache, layer, _paged_meta(cache, meta), tile=tile
+    )
     return rms_norm(x, p["head_norm"], eps=eps), cache
 
 

@@ -1,0 +1,225 @@
+"""Speculative decoding in the engine (docs/speculative.md): tiny-v3's MTP layer drafts, the step verifies.
+
+Every check compares with the same engine without drafts (``num_draft_tokens=0``): greedy tokens must be
+identical (float32, where verification's 1 + k rows and plain decoding's one row give the same logits), the stop
+rules must cut an accepted run where plain decoding stops, penalties must see the accepted tokens only.
+
+Random weights accept almost nothing (tiny-v3's MTP layer is random), so the acceptance paths are reached with
+the ``speculative.force_draft_tokens`` test hook: a request's ``golden_token_ids`` become its drafts. Drafts equal
+to the plain engine's tokens are all accepted; drafts with wrong tokens put the rejection anywhere in a run.
+
+Budgets: 4 sequences and 32 tokens per step (one bucket), 16-token blocks; the engines' cache of 9 blocks
+forces preemption by recompute in the mixed batch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from deepinfer_jax.engine.llm import LLM
+from deepinfer_jax.engine.params import SamplingParams
+
+BLOCKS = 9
+
+
+@functools.cache
+def _llm(k: int, dp: int = 1, ep: int = 1, batch_invariant: bool = False) -> LLM:
+    devices = dp * ep
+    return LLM(
+        "tiny-v3",
+        dtype="float32",
+        num_draft_tokens=k,
+        max_num_seqs=4 * devices,
+        max_num_batched_tokens=32 * devices,
+        data_parallel_size=dp,
+        expert_parallel_size=ep,
+        batch_invariant=batch_invariant,
+        kv_cache_memory="64MiB",
+        **{"cache.block_size": 16, "cache.num_blocks": BLOCKS, "speculative.force_draft_tokens": True},
+    )
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 500, n).tolist() for n in (1, 5, 17, 40, 9, 23)]
+
+
+def _greedy(i: int, **kw) -> SamplingParams:
+    args = {"temperature": 0.0, "max_tokens": 8 + (i * 3) % 9, "ignore_eos": True, "logprobs": 2, **kw}
+    return SamplingParams(**args)
+
+
+def _run(llm: LLM, prompts, params):
+    return llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+
+
+@functools.cache
+def _reference() -> tuple[list[list[int]], list[list[float]]]:
+    """The plain engine's greedy tokens and logprobs of the mixed batch."""
+    prompts = _prompts()
+    outs = _run(_llm(0), prompts, [_greedy(i) for i in range(len(prompts))])
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_with_drafts_equals_without(k):
+    """Mixed prompt lengths, a cache that forces preemption: the tokens are the plain engine's, every decode
+    row verified k drafts, and the run's statistics say so."""
+    tokens, logprobs = _reference()
+    prompts = _prompts()
+    llm = _llm(k)
+    outs = _run(llm, prompts, [_greedy(i) for i in range(len(prompts))])
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert got == tokens
+    for o, ref in zip(outs, logprobs, strict=True):
+        lps = [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+        np.testing.assert_allclose(lps, ref, atol=1e-4)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0, "the small cache must force preemption"
+    stats = llm.last_stats
+    assert stats.spec_rows > 0 and len(stats.verified_at) == k
+    assert stats.verified_at == (stats.spec_rows,) * k  # fixed length: every decode row verifies k drafts
+    assert stats.mean_accepted_length == pytest.approx(1 + sum(stats.accepted_at) / stats.spec_rows)
+    assert "speculative" in stats.summary(len(prompts))
+    # The steady state compiles nothing new: the same batch again.
+    again = _run(llm, prompts, [_greedy(i) for i in range(len(prompts))])
+    assert [list(o.outputs[0].token_ids) for o in again] == tokens
+    assert llm.last_stats.compile_count == 0
+
+
+def test_forced_drafts_reach_every_acceptance_pattern():
+    """Drafts equal to the plain tokens are all accepted (k + 1 tokens per decode row); drafts with wrong
+    tokens are rejected from the first wrong one; the output is the plain engine's either way, logprobs too."""
+    tokens, logprobs = _reference()
+    prompts = _prompts()
+    llm = _llm(3)
+    outs = _run(llm, prompts, [_greedy(i, golden_token_ids=t) for i, t in enumerate(tokens)])
+    assert [list(o.outputs[0].token_ids) for o in outs] == tokens
+    perfect = llm.last_stats
+    assert perfect.accepted_at == perfect.verified_at and perfect.spec_rows > 0
+    assert perfect.acceptance_rates == (1.0, 1.0, 1.0)
+    for o, ref in zip(outs, logprobs, strict=True):
+        lps = [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+        np.testing.assert_allclose(lps, ref, atol=1e-4)
+
+    rng = np.random.default_rng(5)
+    wrong = [[t if rng.random() > 0.3 else (t + 1) % 500 for t in seq] for seq in tokens]
+    outs = _run(llm, prompts, [_greedy(i, golden_token_ids=t) for i, t in enumerate(wrong)])
+    assert [list(o.outputs[0].token_ids) for o in outs] == tokens
+    mixed = llm.last_stats
+    assert 0 < sum(mixed.accepted_at) < sum(mixed.verified_at)
+    # Acceptance at position i + 1 needs acceptance at i (the prefix rule).
+    assert all(a >= b for a, b in zip(mixed.accepted_at, mixed.accepted_at[1:]))
+
+
+def test_stops_inside_an_accepted_run():
+    """Stop ids, max_tokens, min_tokens and stop strings hit in the middle of a run of accepted drafts end the
+    request exactly where the plain engine ends it: the tokens after the stop are dropped."""
+    tokens, _ = _reference()
+    first = _prompts()
+    prompts = [first[0], first[1], first[2], first[0]]
+    plain, spec = _llm(0), _llm(3)
+    text = _run(plain, first[:1], [_greedy(0, max_tokens=12)])[0].outputs[0].text
+
+    def cases(golden: bool) -> list[SamplingParams]:
+        def g(i):
+            return {"golden_token_ids": tokens[i]} if golden else {}
+
+        seq = tokens[0]
+        stop_at = next(j for j in range(2, len(seq)) if seq[j] not in seq[:j])
+        return [
+            SamplingParams(
+                temperature=0, max_tokens=16, ignore_eos=True, stop_token_ids=[seq[stop_at]], **g(0)
+            ),
+            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, **g(1)),
+            SamplingParams(
+                temperature=0,
+                max_tokens=16,
+                min_tokens=5,
+                ignore_eos=True,
+                stop_token_ids=[tokens[2][1]],
+                **g(2),
+            ),
+            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[text[3:6]], **g(0)),
+        ]
+
+    ref = _run(plain, prompts, cases(False))
+    want = [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason) for o in ref]
+    assert want[0][2] == "stop" and want[1][2] == "length" and want[3][2] == "stop"
+    for golden in (False, True):  # the MTP layer's own drafts, then drafts that are all accepted
+        outs = _run(spec, prompts, cases(golden))
+        got = [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+        assert got == want
+
+
+def test_penalties_see_accepted_tokens_only():
+    """Repetition, presence and frequency penalties with drafts: the plain engine's tokens, with the MTP
+    layer's drafts (mostly rejected) and with drafts that are all accepted (the counts of verify row j include
+    the j drafts before it)."""
+    prompts = _prompts(1)[:4]
+
+    def params(golden=None):
+        return [
+            SamplingParams(
+                temperature=0,
+                max_tokens=12,
+                ignore_eos=True,
+                repetition_penalty=1.5,
+                presence_penalty=0.7,
+                frequency_penalty=0.4,
+                golden_token_ids=None if golden is None else golden[i],
+            )
+            for i in range(len(prompts))
+        ]
+
+    ref = [list(o.outputs[0].token_ids) for o in _run(_llm(0), prompts, params())]
+    spec = _llm(3)
+    assert [list(o.outputs[0].token_ids) for o in _run(spec, prompts, params())] == ref
+    assert [list(o.outputs[0].token_ids) for o in _run(spec, prompts, params(ref))] == ref
+    assert spec.last_stats.acceptance_rates == (1.0, 1.0, 1.0)
+
+
+def test_seeded_sampling_reproducible_and_batch_invariant():
+    """Batch-invariant mode with drafts: a seeded sampled request and a greedy one give bitwise the same tokens
+    and logprobs alone and in a batch; greedy tokens equal the plain engine's."""
+    tokens, _ = _reference()
+    prompts = _prompts()
+    llm = _llm(1, batch_invariant=True)
+    sampled = SamplingParams(
+        temperature=0.9, top_k=50, max_tokens=10, seq_seed=7, logprobs=1, ignore_eos=True
+    )
+    params = [_greedy(i) for i in range(len(prompts))]
+    params[2] = sampled
+    batch = _run(llm, prompts, params)
+    for i in (2, 3):
+        alone = _run(llm, [prompts[i]], [params[i]])[0].outputs[0]
+        assert alone.token_ids == batch[i].outputs[0].token_ids
+        assert [d[t].logprob for d, t in zip(alone.logprobs, alone.token_ids)] == [
+            d[t].logprob for d, t in zip(batch[i].outputs[0].logprobs, batch[i].outputs[0].token_ids)
+        ]
+    for i in (0, 1, 3, 4, 5):
+        assert list(batch[i].outputs[0].token_ids) == tokens[i]
+
+
+def test_mesh_greedy_equals_one_device():
+    """dp=2 x ep=4 with the natural draft length (1): the one-device plain engine's tokens."""
+    tokens, _ = _reference()
+    prompts = _prompts()
+    outs = _run(_llm(1, 2, 4), prompts, [_greedy(i) for i in range(len(prompts))])
+    assert [list(o.outputs[0].token_ids) for o in outs] == tokens
+    assert _llm(1, 2, 4).last_stats.spec_rows > 0
+
+
+def test_draft_length_settings():
+    """None = the natural length (tiny-v3: one MTP layer -> 1), refusals name the field and the value."""
+    assert _llm(1).num_draft_tokens == 1 and _llm(0).num_draft_tokens == 0
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        LLM("tiny-v3", num_draft_tokens=-1)
+    with pytest.raises(ValueError, match="compute_sum_smaller_probs"):
+        LLM("tiny-v3", num_draft_tokens=2, **{"sampling.compute_sum_smaller_probs": True})
+    with pytest.raises(ValueError, match=r"speculative\.num_draft_tokens = 2 .*not built yet"):
+        LLM("tiny-v41", num_draft_tokens=2)
