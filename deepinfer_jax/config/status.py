@@ -186,10 +186,17 @@ FIELDS: dict[str, Setting] = {
     "speculative.force_draft_tokens": _honoured(
         "test hook: golden_token_ids become the requests' draft tokens instead of forced outputs"
     ),
-    "speculative.variable_length": _not_built(_SPEC),
-    "speculative.confidence_temperature": _not_built(_SPEC),
-    "speculative.latency_cache_dir": _not_built(_SPEC),
-    "speculative.latency_cache_ttl_s": _not_built(_SPEC),
+    "speculative.variable_length": _honoured(
+        "confidence-scheduled verify lengths over the decode latency curve measured at start-up (with drafts)",
+        warn_if=lambda cfg: (
+            None if cfg.num_draft_tokens else "there are no drafts to verify (num_draft_tokens = 0)"
+        ),
+    ),
+    "speculative.confidence_temperature": _honoured(
+        "temperature of the draft confidences (V3 MTP: the draft probability's log-odds through a sigmoid)"
+    ),
+    "speculative.latency_cache_dir": _honoured("where the measured decode latency curve is cached"),
+    "speculative.latency_cache_ttl_s": _honoured("how long a cached decode latency curve is read"),
     # ------------------------------------------------------------------------------------------ sampling
     "sampling.temperature": _honoured("default of requests given no SamplingParams"),
     "sampling.top_p": _honoured("default of requests given no SamplingParams"),

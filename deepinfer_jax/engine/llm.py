@@ -38,8 +38,17 @@ from deepinfer_jax.engine.buckets import step_buckets
 from deepinfer_jax.engine.grammar import GrammarCompiler
 from deepinfer_jax.engine.mesh_eplb import MeshExpertBalancer
 from deepinfer_jax.engine.params import RequestOutput, SamplingParams, derive_seed, validate_request
+from deepinfer_jax.engine.plan import build_plan
 from deepinfer_jax.engine.runner import EngineRunner, RunnerOptions, RunStats
 from deepinfer_jax.engine.scheduler import Scheduler
+from deepinfer_jax.engine.spec_budget import (
+    LatencyCurve,
+    curve_cache_key,
+    load_curve,
+    measure_curve,
+    save_curve,
+)
+from deepinfer_jax.engine.spec_varlen import VerifyLengthPlanner, probe_batch
 from deepinfer_jax.engine.step import SamplerOptions, StepExecutor, state_bytes
 from deepinfer_jax.models import builtin
 from deepinfer_jax.models.registry import get_family
@@ -282,6 +291,20 @@ def _draft_length(config: Any, sources: Mapping[str, str]) -> int:
     return int(config.num_draft_tokens)
 
 
+def _confidence_temperatures(config: Any, k: int) -> tuple[float, ...]:
+    """``speculative.confidence_temperature`` as one value per draft position (a scalar repeated)."""
+    temps = config.speculative.confidence_temperature
+    values = tuple(float(t) for t in (temps if isinstance(temps, tuple) else (temps,)))
+    if len(values) == 1:
+        return values * max(k, 1)
+    if len(values) != k:
+        raise ValueError(
+            f"speculative.confidence_temperature has {len(values)} values but the engine drafts {k} tokens; give one "
+            "value or one per draft"
+        )
+    return values
+
+
 def _auto_dtype(config: Any, sources: Mapping[str, str]) -> str:
     """``dtype="auto"``: the checkpoint's declared ``torch_dtype`` decides the precision mode (as in vLLM).
 
@@ -489,6 +512,11 @@ class LLM:
         cache_storage(dtype, kv_cache_dtype)  # before any weight is read
         self.num_draft_tokens = _draft_length(config, sources)
         """Draft tokens each decode row verifies (0: no speculative decoding; ``docs/speculative.md``)."""
+        if self.num_draft_tokens and config.speculative.variable_length and config.ops.batch_invariant:
+            raise ValueError(
+                "speculative.variable_length with ops.batch_invariant: a row's verify length would depend on the "
+                f"rest of its batch; turn one of them off (or num_draft_tokens = 0; it is {self.num_draft_tokens})"
+            )
         # A multi-process run joins its peers before anything touches a JAX backend; then the mesh, before any
         # weight is read (more devices than exist is a ValueError naming both sizes).
         distributed.initialize(config.parallel)
@@ -653,7 +681,15 @@ class LLM:
                 sum_smaller=config.sampling.compute_sum_smaller_probs,
             ),
             num_draft_tokens=self.num_draft_tokens,
+            confidence_temperature=_confidence_temperatures(config, self.num_draft_tokens),
         )
+        self.latency_curve: LatencyCurve | None = None
+        """Variable-length verification: the measured decode latency of each token bucket (``None``: off)."""
+        if self.num_draft_tokens and config.speculative.variable_length:
+            self.latency_curve = self._latency_curve(config, model_dir, dtype, (dp, ep))
+            planner = VerifyLengthPlanner(self.latency_curve)
+            for device in self.scheduler.devices:
+                device.verify_planner = planner
         self.logprobs_mode = logprobs_mode
         """What reported logprobs are (:data:`~deepinfer_jax.sampling.LOGPROBS_MODES`)."""
         options = RunnerOptions(
@@ -665,6 +701,46 @@ class LLM:
         self.runner = EngineRunner(
             self.scheduler, self.executor, balancer=self.expert_balancer, options=options
         )
+
+    def _latency_curve(self, config: Any, model_dir: Path, dtype: str, mesh: tuple[int, int]) -> LatencyCurve:
+        """The decode latency of every token bucket (docs/speculative.md, "variable length"): read from
+        ``speculative.latency_cache_dir`` when a fresh entry exists, else measured now (each bucket compiles
+        first, as it would at its first use) and cached there."""
+        spec = config.speculative
+        buckets = self.scheduler.buckets
+        sizes = sorted({t for t, _ in buckets})
+        k = self.num_draft_tokens
+        key = curve_cache_key(
+            f"{model_dir.resolve()}|{dtype}|{config.kv_cache_dtype}|k={k}",
+            sizes,
+            (*mesh, self.executor.num_slots),
+        )
+        if spec.latency_cache_dir is not None:
+            cached = load_curve(spec.latency_cache_dir, key, ttl_s=spec.latency_cache_ttl_s)
+            if cached is not None:
+                logging.info("decode latency curve read from %s: %s", spec.latency_cache_dir, cached.points)
+                return cached
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        plans = {}
+        for size in sizes:
+            seqs = max(s for t, s in buckets if t == size)
+            batch = probe_batch(size, seqs, k, self.scheduler.max_blocks_per_seq, params)
+            plans[size] = build_plan(
+                [batch] * self.executor.num_devices,
+                buckets=buckets,
+                max_blocks_per_seq=self.scheduler.max_blocks_per_seq,
+                vocab_size=self.executor.vocab_size,
+                num_draft_tokens=k,
+            )
+
+        def run(size: int) -> None:
+            jax.block_until_ready(self.executor.run(plans[size]).tokens)
+
+        curve = measure_curve(run, sizes)
+        logging.info("decode latency curve measured: %s", curve.points)
+        if spec.latency_cache_dir is not None:
+            save_curve(spec.latency_cache_dir, key, curve)
+        return curve
 
     # -------------------------------------------------------------------------------------- inputs
 

@@ -136,6 +136,8 @@ class InFlight(NamedTuple):
 
     out: StepOutput
     snapshot: Any
+    dispatched: float = 0.0
+    """``time.perf_counter()`` when the step was dispatched."""
 
     @property
     def tokens(self) -> jax.Array:
@@ -226,15 +228,23 @@ class EngineRunner:
         self.options = options or RunnerOptions()
         self.placeholder_plans = 0
         """Per-device placeholder parts dispatched so far."""
+        self._last_done = 0.0
 
     def _dispatch(self, plan: StepPlan) -> InFlight:
+        start = time.perf_counter()
         out = self.executor.run(plan)
         self.placeholder_plans += plan.num_placeholders
-        return InFlight(out, None if self.balancer is None else self.balancer.snapshot())
+        return InFlight(out, None if self.balancer is None else self.balancer.snapshot(), start)
 
     def _process(self, plan: StepPlan, step: InFlight) -> list[RequestOutput]:
         out = step.out
         host = _tree_to_host(out._replace(logits=None, expert_counts=None))
+        done = time.perf_counter()
+        # The step ran from its dispatch, or from the previous step's end if that came later.
+        observe = getattr(self.scheduler, "observe_step", None)
+        if observe is not None:
+            observe(plan, (done - max(step.dispatched, self._last_done)) * 1000.0)
+        self._last_done = done
         finished = self.scheduler.process_outputs(
             plan,
             host.tokens,
@@ -246,6 +256,7 @@ class EngineRunner:
             sum_smaller=host.sum_smaller,
             top_sum_smaller=host.top_sum_smaller,
             num_accepted=host.num_accepted,
+            confidences=host.confidences,
         )
         if self.balancer is not None and out.expert_counts is not None:
             counts = _to_host(out.expert_counts)

@@ -67,6 +67,7 @@ from deepinfer_jax.engine.params import (
     validate_request,
 )
 from deepinfer_jax.engine.plan import DeviceBatch, ScheduledRow, StepPlan, build_plan, choose_bucket
+from deepinfer_jax.engine.spec_budget import cumulative_rates
 from deepinfer_jax.text.detokenize import IncrementalDetokenizer
 from deepinfer_jax.text.tokenizer import Tokenizer
 
@@ -147,6 +148,10 @@ class Request:
         # Speculative decoding: drafts of this request's in-flight rows (each may emit up to that many more
         # tokens than the one counted in ``pending``).
         self.spec_slack = 0
+        # Variable-length verification: cumulative acceptance-rate estimates of the newest drafts received, and
+        # of the ones before (engine/spec_varlen.py).
+        self.spec_rates: list[float] = []
+        self.spec_rates_prev: list[float] = []
 
     @property
     def is_group(self) -> bool:
@@ -364,7 +369,9 @@ class DeviceScheduler:
         grammar_compiler: GrammarCompiler | None = None,
         num_draft_tokens: int = 0,
         force_drafts: bool = False,
+        verify_planner: Any = None,
     ) -> None:
+        self.verify_planner = verify_planner
         self.grammar_compiler = grammar_compiler
         self.force_drafts = bool(force_drafts)
         self.num_draft_tokens = _positive("num_draft_tokens", num_draft_tokens, 0)
@@ -910,7 +917,30 @@ class DeviceScheduler:
             missing = self.blocks.blocks_for(need) - len(row.request.block_ids)
             if missing > 0:
                 row.request.block_ids.extend(self.blocks.allocate(missing))
+        if self.verify_planner is not None:
+            rows, tokens_left = self._plan_verify_lengths(rows, tokens_left)
         return rows, tokens_left
+
+    def _plan_verify_lengths(
+        self, rows: list[ScheduledRow], tokens_left: int
+    ) -> tuple[list[ScheduledRow], int]:
+        """Variable-length verification: the planner cuts each decode row's drafts to the ones worth verifying
+        (the blocks stay allocated for all of them; the next steps use them)."""
+        spec = [i for i, r in enumerate(rows) if r.num_drafts and not r.forced]
+        if not spec:
+            return rows, tokens_left
+        fixed = sum(r.length for i, r in enumerate(rows) if i not in set(spec))
+        reqs = [rows[i].request for i in spec]
+        budget = [r.spec_rates_prev if r.pending == 0 else r.spec_rates for r in reqs]
+        drafts = self.verify_planner.plan(
+            budget, [r.spec_rates for r in reqs], [rows[i].num_drafts for i in spec], fixed
+        )
+        out = list(rows)
+        for i, nd in zip(spec, drafts, strict=True):
+            row = rows[i]
+            tokens_left += row.num_drafts - nd
+            out[i] = dataclasses.replace(row, length=row.length - row.num_drafts + nd, num_drafts=nd)
+        return out, tokens_left
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
@@ -975,6 +1005,7 @@ class DeviceScheduler:
         sum_smaller: Any = None,
         top_sum_smaller: Any = None,
         num_accepted: Any = None,
+        confidences: Any = None,
     ) -> list[RequestOutput]:
         """Take the sampled tokens of ``batch`` (the oldest unprocessed one), apply stops, free what finished.
 
@@ -1030,6 +1061,9 @@ class DeviceScheduler:
                 self.stats.num_wasted_samples += 1
                 continue
             req.pending -= 1
+            if confidences is not None:
+                req.spec_rates_prev = req.spec_rates
+                req.spec_rates = cumulative_rates(np.clip(np.asarray(confidences[i], np.float64), 0.0, 1.0))
             if accepted is None:
                 self._append_token(req, int(tokens[i]), i, arrays, now)
             else:
@@ -1469,6 +1503,12 @@ class Scheduler:
         for s, b in zip(self.devices, batches, strict=True):
             s.stats.num_padding_tokens += plan.padded_tokens - (0 if b is None else b.num_tokens)
         return plan
+
+    def observe_step(self, plan: StepPlan, step_ms: float) -> None:
+        """A finished step's time (the runner's measurement): the verify-length planner's forward slope."""
+        planner = self.devices[0].verify_planner
+        if planner is not None:
+            planner.observe(plan.padded_tokens, step_ms)
 
     def process_outputs(self, plan: StepPlan, sampled_tokens: Any, **arrays: Any) -> list[RequestOutput]:
         """Hand each device its slice of ``plan``'s results and return the requests that finished.

@@ -68,12 +68,14 @@ def spec_device_step(
     batch_invariant: bool,
     sampler: Any,
     tile: int | None,
+    confidence_temperature: tuple[float, ...] = (1.0,),
 ) -> tuple[Any, Any, dict[str, Any]]:
     """One device's speculative step (module docstring): ``(cache, state, outputs)``.
 
     ``outputs`` holds ``tokens [S, K + 1]`` (the emitted tokens of each row: accepted drafts, then the bonus),
     ``num_accepted [S]``, their ``logprob`` / ``rank`` ``[S, K + 1]`` and ``top_ids`` / ``top_logprobs``
-    ``[S, K + 1, n]``, ``accept_prob [S, K]``, and ``prompt`` (or ``None``).
+    ``[S, K + 1, n]``, ``accept_prob [S, K]``, the next drafts' ``confidences [S, K]`` (for variable-length
+    verification), and ``prompt`` (or ``None``).
     """
     from deepinfer_jax.engine.step import prompt_logprobs
 
@@ -188,7 +190,7 @@ def spec_device_step(
     h = draft_h[jnp.clip(starts + last_valid, 0, num_tokens - 1)]  # [S, H]
     draft_st = st._replace(golden=jnp.full_like(st.golden, -1))
     sampling_row = writes & ok
-    tokens_k, logprobs_k = [], []
+    tokens_k, logprobs_k, confidences_k = [], [], []
     seq_index = jnp.arange(num_seqs, dtype=jnp.int32)
     for i in range(k):
         if i:
@@ -212,6 +214,12 @@ def spec_device_step(
         )
         tokens_k.append(d_i)
         logprobs_k.append(lp_i)
+        # Confidence of draft i + 1: the draft head's probability of it, as log-odds through a sigmoid at the
+        # position's confidence temperature (V3's MTP layer has no confidence head of its own).
+        p = jnp.take_along_axis(jax.nn.log_softmax(logits_i), jnp.maximum(d_i, 0)[:, None], axis=1)[:, 0]
+        odds = p - jnp.log(-jnp.expm1(jnp.minimum(p, -1e-7)))
+        temp = max(confidence_temperature[min(i, len(confidence_temperature) - 1)], 1e-5)
+        confidences_k.append(jnp.where(d_i >= 0, jax.nn.sigmoid(jnp.clip(odds / temp, -60.0, 60.0)), 0.0))
     new_drafts = jnp.stack(tokens_k, axis=1)
     new_logprobs = jnp.stack(logprobs_k, axis=1)
     pool_target = jnp.where(sampling_row, inputs.seq_slots, num_slots)
@@ -231,6 +239,7 @@ def spec_device_step(
         "top_ids": out.top_ids,
         "top_logprobs": out.top_logprobs,
         "accept_prob": out.accept_prob,
+        "confidences": jnp.stack(confidences_k, axis=1),
         "prompt": prompt_out,
     }
     return cache, state, outputs

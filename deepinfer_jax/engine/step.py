@@ -154,6 +154,8 @@ class StepOutput(NamedTuple):
       num_accepted: speculative engines: int32 ``[S]`` drafts each row accepted; ``tokens`` (and the logprob
         fields) are then ``[S, K + 1]``, the row's accepted drafts followed by its bonus token (-1 after it).
       accept_prob: speculative engines: float32 ``[S, K]`` each verify row's acceptance probability.
+      confidences: speculative engines: float32 ``[S, K]`` the confidence of each of the row's next drafts
+        (variable-length verification plans with their cumulative products).
     """
 
     tokens: jax.Array
@@ -168,6 +170,7 @@ class StepOutput(NamedTuple):
     top_sum_smaller: jax.Array | None = None
     num_accepted: jax.Array | None = None
     accept_prob: jax.Array | None = None
+    confidences: jax.Array | None = None
 
 
 def prompt_logprobs(
@@ -224,6 +227,7 @@ def device_step(
     return_logits: bool = False,
     sampler: SamplerOptions | None = None,
     num_draft_tokens: int = 0,
+    confidence_temperature: tuple[float, ...] = (1.0,),
 ) -> tuple[Any, StepState, StepOutput]:
     """One device's part of a step (module docstring): ``(cache, state, StepOutput)``.
 
@@ -253,6 +257,7 @@ def device_step(
             batch_invariant=batch_invariant,
             sampler=sampler,
             tile=BATCH_INVARIANT_TILE if batch_invariant else None,
+            confidence_temperature=confidence_temperature,
         )
         return (
             cache,
@@ -266,6 +271,7 @@ def device_step(
                 prompt=spec_out["prompt"],
                 num_accepted=spec_out["num_accepted"],
                 accept_prob=spec_out["accept_prob"],
+                confidences=spec_out["confidences"],
             ),
         )
     num_seqs = inputs.seq_slots.shape[0]
@@ -351,6 +357,7 @@ def step(
     selection: OpSelection | None = None,
     sampler: SamplerOptions | None = None,
     num_draft_tokens: int = 0,
+    confidence_temperature: tuple[float, ...] = (1.0,),
 ) -> tuple[Any, StepState, StepOutput]:
     """One engine step on every device of ``mesh`` at once: :func:`device_step` inside one ``jax.shard_map``.
 
@@ -380,6 +387,7 @@ def step(
                 return_logits=return_logits,
                 sampler=sampler,
                 num_draft_tokens=num_draft_tokens,
+                confidence_temperature=confidence_temperature,
             )
         if counts:
             out = out._replace(expert_counts=expert_counts(scope, layout))
@@ -508,6 +516,7 @@ class StepExecutor:
         selection: OpSelection | None = None,
         sampler: SamplerOptions | None = None,
         num_draft_tokens: int = 0,
+        confidence_temperature: tuple[float, ...] = (1.0,),
     ) -> None:
         if not isinstance(model, PagedModel):
             raise TypeError(f"model: expected a PagedModel, got {type(model).__name__}")
@@ -537,6 +546,7 @@ class StepExecutor:
             "selection": selection,
             "sampler": sampler or SamplerOptions(),
             "num_draft_tokens": int(num_draft_tokens),
+            "confidence_temperature": tuple(float(t) for t in confidence_temperature),
         }
         self.num_draft_tokens = int(num_draft_tokens)
         self._sharding = NamedSharding(mesh, DEVICE_SPEC)

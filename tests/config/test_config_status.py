@@ -62,16 +62,17 @@ def test_a_setting_without_effect_warns_naming_its_source_and_reason():
         status.check_settings(cfg, sources)
 
 
-def test_draft_length_is_honoured_and_variable_length_warns():
-    """The draft length is honoured (the engine refuses it for families that cannot draft,
-    tests/engine/test_engine_speculative.py); variable-length verification is not in the engine yet."""
-    for value in (0, None, 3):
-        cfg, sources = _load(**{"speculative.num_draft_tokens": value})
+def test_speculative_settings_are_honoured():
+    """The draft length and variable-length verification are honoured (the engine refuses drafts for families
+    that cannot draft, tests/engine/test_engine_speculative.py)."""
+    for values in ({"speculative.num_draft_tokens": v} for v in (0, None, 3)):
+        cfg, sources = _load(**values)
         with warnings.catch_warnings():
             warnings.simplefilter("error", ConfigWarning)
             status.check_settings(cfg, sources)
-    cfg, sources = _load(**{"speculative.variable_length": True})
-    with pytest.warns(ConfigWarning, match="variable_length = True .*not built yet: speculative decoding"):
+    cfg, sources = _load(**{"speculative.variable_length": True, "speculative.latency_cache_ttl_s": 60})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
         status.check_settings(cfg, sources)
 
 

@@ -223,3 +223,29 @@ def test_draft_length_settings():
         LLM("tiny-v3", num_draft_tokens=2, **{"sampling.compute_sum_smaller_probs": True})
     with pytest.raises(ValueError, match=r"speculative\.num_draft_tokens = 2 .*not built yet"):
         LLM("tiny-v41", num_draft_tokens=2)
+
+
+def test_variable_length_verification(tmp_path):
+    """speculative.variable_length: the engine measures its decode latency curve at start-up (cached on disk:
+    a second engine reads it), the planner verifies fewer drafts than k when the confidences are low (random
+    MTP weights), and greedy tokens stay the plain engine's. Batch-invariant mode refuses it."""
+    tokens, _ = _reference()
+    prompts = _prompts()
+    overrides = {
+        "cache.block_size": 16,
+        "cache.num_blocks": BLOCKS,
+        "speculative.latency_cache_dir": str(tmp_path),
+    }
+    args = {"dtype": "float32", "num_draft_tokens": 3, "speculative_variable_length": True}
+    llm = LLM("tiny-v3", max_num_seqs=4, max_num_batched_tokens=32, **args, **overrides)
+    curve = llm.latency_curve
+    assert curve is not None and curve.sizes == (16, 32) and all(ms > 0 for _, ms in curve.points)
+    outs = _run(llm, prompts, [_greedy(i) for i in range(len(prompts))])
+    assert [list(o.outputs[0].token_ids) for o in outs] == tokens
+    stats = llm.last_stats
+    assert stats.spec_rows > 0 and stats.verified_per_step < 3
+    assert len(list(tmp_path.iterdir())) == 1
+    again = LLM("tiny-v3", max_num_seqs=4, max_num_batched_tokens=32, **args, **overrides)
+    assert again.latency_curve == curve  # read back, not measured again
+    with pytest.raises(ValueError, match=r"variable_length with ops\.batch_invariant"):
+        LLM("tiny-v3", num_draft_tokens=1, batch_invariant=True, speculative_variable_length=True)
