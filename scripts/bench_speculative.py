@@ -59,7 +59,7 @@ def main() -> int:
                 args.model,
                 dtype=args.dtype,
                 max_num_seqs=c,
-                max_num_batched_tokens=max(64, c * (1 + k)),
+                max_num_batched_tokens=64 + c * (1 + max(ks)),  # one budget for every variant
                 num_draft_tokens=k,
                 speculative_variable_length=varlen,
             )

@@ -285,8 +285,8 @@ class EngineBench:
 
 def _spec_summary(
     num_draft_tokens: int,
-    before: tuple[int, int, list[int], list[int]],
-    after: tuple[int, int, list[int], list[int]],
+    before: tuple[Any, ...],
+    after: tuple[Any, ...],
 ) -> dict[str, Any]:
     """A run's speculative-decoding metrics (docs/speculative.md, "metrics") from the scheduler's counters."""
     rows, emitted = after[0] - before[0], after[1] - before[1]
@@ -300,6 +300,7 @@ def _spec_summary(
         "acceptance_rates": [a / v if v else 0.0 for a, v in zip(accepted, verified, strict=True)],
         "verified_per_step": sum(verified) / rows if rows else None,
         "mean_accepted_length": emitted / rows if rows else None,
+        "confidence_error": (after[4] - before[4]) / sum(verified) if sum(verified) else None,
     }
 
 

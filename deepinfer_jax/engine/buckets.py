@@ -29,8 +29,15 @@ def _positive(name: str, value: object) -> int:
     return value
 
 
-def step_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> tuple[tuple[int, int], ...]:
+def step_buckets(
+    max_num_batched_tokens: int, max_num_seqs: int, decode_width: int = 1
+) -> tuple[tuple[int, int], ...]:
     """All ``(T, S)`` buckets for these budgets, sorted; the largest holds both budgets (``S <= T``).
+
+    ``decode_width`` is the tokens of one decode row: ``1 + k`` with ``k`` draft tokens. Speculative engines
+    also compile ``T = s * decode_width`` (above the smallest token bucket) for every sequence count ``s`` of the
+    grid, so a decode step of ``s`` rows with drafts runs in a bucket it fills (``16 x (1 + 1)`` tokens would
+    otherwise pad to 64).
 
     >>> step_buckets(64, 4)
     ((16, 4), (64, 4))
@@ -39,7 +46,9 @@ def step_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> tuple[tuple[
     """
     max_tokens = _positive("max_num_batched_tokens", max_num_batched_tokens)
     max_seqs = _positive("max_num_seqs", max_num_seqs)
-    tokens = sorted({t for t in TOKEN_BUCKETS if t < max_tokens} | {max_tokens})
+    width = _positive("decode_width", decode_width)
     seqs = sorted({s for s in SEQ_BUCKETS if s < max_seqs} | {max_seqs})
+    decode = {s * width for s in seqs if width > 1 and TOKEN_BUCKETS[0] < s * width < max_tokens}
+    tokens = sorted({t for t in TOKEN_BUCKETS if t < max_tokens} | decode | {max_tokens})
     out = {(t, min(s, t)) for t in tokens for s in seqs}
     return tuple(sorted(out))

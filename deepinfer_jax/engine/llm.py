@@ -647,7 +647,7 @@ class LLM:
             eos_token_ids=self.eos_token_ids,
             num_state_slots=num_slots,
             max_blocks_per_seq=max_blocks,
-            buckets=step_buckets(max_num_batched_tokens, max_num_seqs),
+            buckets=step_buckets(max_num_batched_tokens, max_num_seqs, 1 + self.num_draft_tokens),
             tokenizer=self.tokenizer,
             min_bucket_fill=config.scheduler.min_bucket_fill,
             banned_token_ids=config.sampling.banned_token_ids,

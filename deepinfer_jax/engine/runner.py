@@ -69,6 +69,13 @@ class RunStats:
     spec_emitted: int = 0
     verified_at: tuple[int, ...] = ()
     accepted_at: tuple[int, ...] = ()
+    confidence_error_sum: float = 0.0
+
+    @property
+    def confidence_error(self) -> float | None:
+        """Mean ``|acceptance probability - confidence|`` per verified draft; ``None`` without drafts."""
+        verified = sum(self.verified_at)
+        return self.confidence_error_sum / verified if verified else None
 
     @property
     def acceptance_rates(self) -> tuple[float, ...]:
@@ -82,7 +89,8 @@ class RunStats:
 
     @property
     def verified_per_step(self) -> float | None:
-        """Drafts a decode row verified on average (``Σ verified / rows``); ``None`` without drafts."""
+        """Drafts a decode row verified on average (``Σ verified / rows``, rows left without drafts included);
+        ``None`` without drafts."""
         return sum(self.verified_at) / self.spec_rows if self.spec_rows else None
 
     @property
@@ -118,7 +126,8 @@ class RunStats:
             rates = "/".join(f"{r:.2f}" for r in self.acceptance_rates)
             line += (
                 f", speculative: {self.verified_per_step:.2f} drafts verified per decode row, mean accepted length "
-                f"{self.mean_accepted_length:.2f}, acceptance per position {rates}"
+                f"{self.mean_accepted_length:.2f}, acceptance per position {rates}, confidence error "
+                f"{self.confidence_error:.3f}"
             )
         if self.dp * self.ep == 1:
             return line
@@ -257,6 +266,7 @@ class EngineRunner:
             top_sum_smaller=host.top_sum_smaller,
             num_accepted=host.num_accepted,
             confidences=host.confidences,
+            confidence_error=host.confidence_error,
         )
         if self.balancer is not None and out.expert_counts is not None:
             counts = _to_host(out.expert_counts)
@@ -267,12 +277,18 @@ class EngineRunner:
                     self.executor.params = self.balancer.rearrange(self.executor.params)
         return finished
 
-    def _spec_counters(self) -> tuple[int, int, list[int], list[int]]:
+    def _spec_counters(self) -> tuple[int, int, list[int], list[int], float]:
         """The scheduler's speculative-decoding counters so far (summed over devices)."""
         st = getattr(self.scheduler, "stats", None)
         if st is None or not hasattr(st, "num_spec_rows"):
-            return 0, 0, [], []
-        return st.num_spec_rows, st.num_spec_emitted, list(st.verified_at), list(st.accepted_at)
+            return 0, 0, [], [], 0.0
+        return (
+            st.num_spec_rows,
+            st.num_spec_emitted,
+            list(st.verified_at),
+            list(st.accepted_at),
+            st.confidence_error_sum,
+        )
 
     def _periodic(self, stats: RunStats, start: float) -> None:
         """The statistics line and the garbage collection due after this many steps."""
@@ -370,7 +386,8 @@ class EngineRunner:
         stats.compile_seconds = self.executor.compile_seconds - compile_s
         stats.compile_cache_hits = self.executor.compile_cache_hits - cache_hits
         stats.placeholder_plans = self.placeholder_plans - placeholders
-        rows, emitted, verified, accepted = self._spec_counters()
+        rows, emitted, verified, accepted, error = self._spec_counters()
+        stats.confidence_error_sum = error - spec_before[4]
         stats.spec_rows, stats.spec_emitted = rows - spec_before[0], emitted - spec_before[1]
         stats.verified_at = _minus(verified, spec_before[2])
         stats.accepted_at = _minus(accepted, spec_before[3])

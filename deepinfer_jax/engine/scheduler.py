@@ -301,13 +301,25 @@ class SchedulerStats:
     mask_seconds: float = 0.0
     """Host time spent filling grammar masks (counted on device 0's stats)."""
     num_spec_rows: int = 0
-    """Speculative decoding: decode rows that verified drafts (processed)."""
+    """Speculative decoding: decode rows processed (with or without drafts left to verify)."""
     num_spec_emitted: int = 0
     """Tokens those rows emitted (accepted drafts and bonus tokens, before stops cut them)."""
     verified_at: list[int] = dataclasses.field(default_factory=list)
     """``verified_at[i]``: draft ``i + 1`` verified (summed over rows)."""
     accepted_at: list[int] = dataclasses.field(default_factory=list)
     """``accepted_at[i]``: draft ``i + 1`` accepted."""
+    confidence_error_sum: float = 0.0
+    """``Σ |acceptance probability - confidence|`` over the verified drafts."""
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens verified (every position)."""
+        return sum(self.verified_at)
+
+    @property
+    def num_accepted_draft_tokens(self) -> int:
+        """Draft tokens accepted (every position)."""
+        return sum(self.accepted_at)
 
 
 def _priority(req: Request) -> tuple[int, int]:
@@ -1006,6 +1018,7 @@ class DeviceScheduler:
         top_sum_smaller: Any = None,
         num_accepted: Any = None,
         confidences: Any = None,
+        confidence_error: Any = None,
     ) -> list[RequestOutput]:
         """Take the sampled tokens of ``batch`` (the oldest unprocessed one), apply stops, free what finished.
 
@@ -1061,6 +1074,8 @@ class DeviceScheduler:
                 self.stats.num_wasted_samples += 1
                 continue
             req.pending -= 1
+            if confidence_error is not None and row.num_drafts:
+                self.stats.confidence_error_sum += float(confidence_error[i])
             if confidences is not None:
                 req.spec_rates_prev = req.spec_rates
                 req.spec_rates = cumulative_rates(np.clip(np.asarray(confidences[i], np.float64), 0.0, 1.0))
@@ -1091,11 +1106,12 @@ class DeviceScheduler:
         nd = row.num_drafts
         req.spec_slack -= nd
         accepted = min(max(accepted, 0), nd)
-        if nd:
+        if row.decode:  # every decode row of a speculative engine, also one left without drafts
             st = self.stats
-            if len(st.verified_at) < nd:
-                st.verified_at.extend([0] * (nd - len(st.verified_at)))
-                st.accepted_at.extend([0] * (nd - len(st.accepted_at)))
+            k = self.num_draft_tokens
+            if len(st.verified_at) < k:
+                st.verified_at.extend([0] * (k - len(st.verified_at)))
+                st.accepted_at.extend([0] * (k - len(st.accepted_at)))
             for j in range(nd):
                 st.verified_at[j] += 1
                 st.accepted_at[j] += j < accepted

@@ -164,6 +164,8 @@ def spec_device_step(
         batch_invariant=batch_invariant,
     )
     accepted = out.num_accepted
+    # §8.7: how far the drafts' confidences were from the acceptance probabilities the verification found.
+    conf_error = jnp.sum(jnp.where(used, jnp.abs(out.accept_prob - state.draft_conf[seq_slot]), 0.0), axis=1)
     bonus = jnp.take_along_axis(out.tokens, accepted[:, None], axis=1)[:, 0]
     ok = bonus >= 0
 
@@ -229,6 +231,7 @@ def spec_device_step(
         next_pos=next_pos,
         drafts=state.drafts.at[pool_target].set(new_drafts, mode="drop"),
         draft_logprobs=state.draft_logprobs.at[pool_target].set(new_logprobs, mode="drop"),
+        draft_conf=state.draft_conf.at[pool_target].set(jnp.stack(confidences_k, axis=1), mode="drop"),
     )
     tokens = jnp.where(out.ok, out.tokens, -1).astype(jnp.int32)
     outputs = {
@@ -240,6 +243,7 @@ def spec_device_step(
         "top_logprobs": out.top_logprobs,
         "accept_prob": out.accept_prob,
         "confidences": jnp.stack(confidences_k, axis=1),
+        "confidence_error": jnp.where(writes, conf_error, 0.0),
         "prompt": prompt_out,
     }
     return cache, state, outputs

@@ -106,7 +106,8 @@ class StepState(NamedTuple):
         (:mod:`deepinfer_jax.sampling.counts`) for the repetition, presence and frequency penalties.
       next_pos, drafts, draft_logprobs: speculative engines only (``None`` otherwise): the position of each
         slot's pending token (int32 ``[num_slots]``), its ``K`` draft tokens for the next verification (int32
-        ``[num_slots, K]``) and the log-distributions they were drawn from (float32 ``[num_slots, K, V]``).
+        ``[num_slots, K]``), the log-distributions they were drawn from (float32 ``[num_slots, K, V]``) and
+        their confidences (float32 ``[num_slots, K]``).
     """
 
     last_tokens: jax.Array
@@ -114,6 +115,7 @@ class StepState(NamedTuple):
     next_pos: jax.Array | None = None
     drafts: jax.Array | None = None
     draft_logprobs: jax.Array | None = None
+    draft_conf: jax.Array | None = None
 
 
 class PromptLogprobs(NamedTuple):
@@ -156,6 +158,8 @@ class StepOutput(NamedTuple):
       accept_prob: speculative engines: float32 ``[S, K]`` each verify row's acceptance probability.
       confidences: speculative engines: float32 ``[S, K]`` the confidence of each of the row's next drafts
         (variable-length verification plans with their cumulative products).
+      confidence_error: speculative engines: float32 ``[S]`` ``Σ |acceptance probability - confidence|`` over
+        the row's verified drafts.
     """
 
     tokens: jax.Array
@@ -171,6 +175,7 @@ class StepOutput(NamedTuple):
     num_accepted: jax.Array | None = None
     accept_prob: jax.Array | None = None
     confidences: jax.Array | None = None
+    confidence_error: jax.Array | None = None
 
 
 def prompt_logprobs(
@@ -204,6 +209,7 @@ def init_state(num_slots: int, vocab_size: int, num_draft_tokens: int = 0) -> St
             next_pos=jnp.zeros((num_slots,), jnp.int32),
             drafts=jnp.zeros((num_slots, k), jnp.int32),
             draft_logprobs=jnp.zeros((num_slots, k, vocab_size), jnp.float32),
+            draft_conf=jnp.zeros((num_slots, k), jnp.float32),
         )
     return state
 
@@ -211,7 +217,7 @@ def init_state(num_slots: int, vocab_size: int, num_draft_tokens: int = 0) -> St
 def state_bytes(num_slots: int, vocab_size: int, num_draft_tokens: int = 0) -> int:
     """Device bytes of :func:`init_state` (memory planning reserves them before sizing the cache)."""
     k = num_draft_tokens
-    return num_slots * 4 * (1 + vocab_size + (1 + k + k * vocab_size if k else 0))
+    return num_slots * 4 * (1 + vocab_size + (1 + 2 * k + k * vocab_size if k else 0))
 
 
 def device_step(
@@ -272,6 +278,7 @@ def device_step(
                 num_accepted=spec_out["num_accepted"],
                 accept_prob=spec_out["accept_prob"],
                 confidences=spec_out["confidences"],
+                confidence_error=spec_out["confidence_error"],
             ),
         )
     num_seqs = inputs.seq_slots.shape[0]

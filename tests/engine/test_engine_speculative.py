@@ -82,9 +82,14 @@ def test_greedy_with_drafts_equals_without(k):
     assert sum(o.metrics.num_preemptions for o in outs) > 0, "the small cache must force preemption"
     stats = llm.last_stats
     assert stats.spec_rows > 0 and len(stats.verified_at) == k
-    assert stats.verified_at == (stats.spec_rows,) * k  # fixed length: every decode row verifies k drafts
+    # Fixed length: a decode row verifies k drafts unless the step's token budget is nearly spent.
+    assert stats.verified_at[0] >= 0.8 * stats.spec_rows and all(
+        v <= stats.spec_rows for v in stats.verified_at
+    )
+    assert stats.verified_per_step == pytest.approx(sum(stats.verified_at) / stats.spec_rows)
     assert stats.mean_accepted_length == pytest.approx(1 + sum(stats.accepted_at) / stats.spec_rows)
     assert "speculative" in stats.summary(len(prompts))
+    assert 0.0 <= stats.confidence_error <= 1.0
     # The steady state compiles nothing new: the same batch again.
     again = _run(llm, prompts, [_greedy(i) for i in range(len(prompts))])
     assert [list(o.outputs[0].token_ids) for o in again] == tokens
@@ -249,3 +254,37 @@ def test_variable_length_verification(tmp_path):
     assert again.latency_curve == curve  # read back, not measured again
     with pytest.raises(ValueError, match=r"variable_length with ops\.batch_invariant"):
         LLM("tiny-v3", num_draft_tokens=1, batch_invariant=True, speculative_variable_length=True)
+
+
+def test_bfloat16_greedy_with_drafts_tracks_without():
+    """Production precision: greedy tokens with drafts equal those without except where verification's 1 + k
+    rows and plain decoding's one row round differently at a near-tie; the test reports the logit margin of the
+    plain engine's choice at the first difference of every sequence and bounds it."""
+    prompts = _prompts()
+
+    def engine(k: int) -> LLM:
+        return LLM(
+            "tiny-v3",
+            dtype="bfloat16",
+            num_draft_tokens=k,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            **{"cache.block_size": 16, "cache.num_blocks": BLOCKS},
+        )
+
+    params = [_greedy(i, logprobs=5) for i in range(len(prompts))]
+    plain = _run(engine(0), prompts, params)
+    spec = _run(engine(3), prompts, params)
+    same = 0
+    for a, b in zip(plain, spec, strict=True):
+        ta, tb = list(a.outputs[0].token_ids), list(b.outputs[0].token_ids)
+        if ta == tb:
+            same += 1
+            continue
+        j = next(i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y)
+        top = a.outputs[0].logprobs[j]
+        margin = top[ta[j]].logprob - top.get(tb[j], min(top.values(), key=lambda v: v.logprob)).logprob
+        print(f"first difference at output {j}: plain {ta[j]} vs drafts {tb[j]}, logprob margin {margin:.4f}")
+        # bf16 logits carry ~3 significant digits: only a near-tie may flip.
+        assert margin < 0.1, (j, margin)
+    assert same >= len(prompts) // 2

@@ -254,6 +254,18 @@ def test_step_buckets():
     assert step_buckets(64, 4) == ((16, 4), (64, 4))
     assert (16, 8) in step_buckets(2048, 256) and (256, 128) in step_buckets(2048, 256)
     assert all(s <= t for t, s in step_buckets(32, 64))
+    # Speculative engines: a bucket that s decode rows of 1 + k tokens fill.
+    assert step_buckets(256, 16, 2) == (
+        (16, 8),
+        (16, 16),
+        (32, 8),
+        (32, 16),
+        (64, 8),
+        (64, 16),
+        (256, 8),
+        (256, 16),
+    )
+    assert step_buckets(64, 4, 4) == step_buckets(64, 4)  # 4 x 4 = 16 is a bucket already
     with pytest.raises(ValueError, match="max_num_seqs"):
         step_buckets(16, 0)
 
