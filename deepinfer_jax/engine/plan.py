@@ -131,6 +131,9 @@ class ScheduledRow:
     shifted: bool = False
     forced: tuple[int, ...] = ()
     """Test hook (``speculative.force_draft_tokens``): the draft tokens to verify instead of the drafter's."""
+    pool_drafts: tuple[int, ...] = ()
+    """A constrained request's drafts as the host knows them (the pool's, from its last processed step): the
+    plan fills one grammar mask per verify row from them."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -214,12 +217,16 @@ class SpecInputs(NamedTuple):
         prompt token of a prefill chunk: the draft layer pairs each token with its successor); -1 elsewhere.
       forced: int32 ``[D, S, K]`` draft tokens that replace the pool's (the ``speculative.force_draft_tokens``
         test hook), -1 = the pool's draft.
+      verify_masks: int32 ``[D, S, K + 1, W]`` the grammar mask of every verify row (row ``j`` after ``j``
+        drafts, :meth:`~deepinfer_jax.engine.grammar.RequestGrammar.draft_masks`), or ``None`` when the step has
+        no grammar mask; rows without drafts repeat their one mask.
     """
 
     num_drafts: Any
     shifted: Any
     next_ids: Any
     forced: Any
+    verify_masks: Any = None
 
 
 class CacheCopies(NamedTuple):
@@ -556,6 +563,17 @@ def build_plan(
         token_bitmask=bitmask,
     )
     sampling = flat.reshape_rows(d, s)
+    verify_masks = None
+    if speculative and bitmask is not None:
+        k = num_draft_tokens
+        verify_masks = np.repeat(bitmask.reshape(d, s, 1, -1), k + 1, axis=2)
+        for dev, batch in enumerate(batches):
+            for i, row in enumerate(() if batch is None else batch.rows):
+                grammar = getattr(row.request, "grammar", None)
+                if row.num_drafts and grammar is not None and row.pool_drafts:
+                    out = np.zeros((row.num_drafts + 1, verify_masks.shape[-1]), np.int32)
+                    grammar.draft_masks(list(row.pool_drafts[: row.num_drafts]), out)
+                    verify_masks[dev, i, : row.num_drafts + 1] = out
     copies = None
     nb = max((len(b.block_copies) for b in real), default=0)
     ns = max((len(b.slot_copies) for b in real), default=0)
@@ -583,7 +601,7 @@ def build_plan(
         sampling,
         targets,
         copies,
-        SpecInputs(num_drafts, shifted, next_ids, forced) if speculative else None,
+        SpecInputs(num_drafts, shifted, next_ids, forced, verify_masks) if speculative else None,
     )
     return StepPlan(
         inputs,

@@ -267,6 +267,7 @@ class EngineRunner:
             num_accepted=host.num_accepted,
             confidences=host.confidences,
             confidence_error=host.confidence_error,
+            drafts=host.drafts,
         )
         if self.balancer is not None and out.expert_counts is not None:
             counts = _to_host(out.expert_counts)

@@ -152,6 +152,9 @@ class Request:
         # of the ones before (engine/spec_varlen.py).
         self.spec_rates: list[float] = []
         self.spec_rates_prev: list[float] = []
+        # The drafts its slot's pool holds, as of its last processed step (constrained requests verify them
+        # under per-row grammar masks).
+        self.spec_drafts: tuple[int, ...] = ()
 
     @property
     def is_group(self) -> bool:
@@ -761,7 +764,12 @@ class DeviceScheduler:
         """Whether ``req``'s decode rows verify drafts. Not while its next sample depends on exact host state:
         a grammar or a multi-token bad word (masks from the tokens so far), teacher forcing, or ``min_tokens``
         not yet reached (the EOS mask depends on the output count)."""
-        if not self.num_draft_tokens or req.needs_host_tokens:
+        if not self.num_draft_tokens:
+            return False
+        if req.grammar is not None and not any(len(w) > 1 for w in req.bad_words_ids):
+            # Drafts known on the host (it waits for its tokens): one grammar mask per verify row.
+            return req.pending == 0 and (len(req.spec_drafts) > 0 or self._forced_drafts(req))
+        if req.needs_host_tokens:
             return False
         p = req.params
         if getattr(p, "golden_token_ids", None) is not None:
@@ -902,11 +910,16 @@ class DeviceScheduler:
                 need = end + req.spec_slack + self._draft_extra(sample)
                 new_blocks += max(0, self.blocks.blocks_for(need) - len(req.block_ids))
                 forced: tuple[int, ...] = ()
+                pool: tuple[int, ...] = ()
+                if nd and req.grammar is not None:
+                    pool = req.spec_drafts[:nd]
+                    nd = len(pool)
                 if nd and self._forced_drafts(req):
                     # The test hook verifies the golden tokens that remain (fewer drafts near their end).
                     n = len(req.output_token_ids)
                     forced = tuple(int(t) for t in req.params.golden_token_ids[n : n + nd])
                     nd = len(forced)
+                    pool = forced if req.grammar is not None else ()
                 rows.append(
                     ScheduledRow(
                         req,
@@ -918,6 +931,7 @@ class DeviceScheduler:
                         nd,
                         decode and bool(self.num_draft_tokens),
                         forced,
+                        pool,
                     )
                 )
                 tokens_left -= q + nd
@@ -1019,6 +1033,7 @@ class DeviceScheduler:
         num_accepted: Any = None,
         confidences: Any = None,
         confidence_error: Any = None,
+        drafts: Any = None,
     ) -> list[RequestOutput]:
         """Take the sampled tokens of ``batch`` (the oldest unprocessed one), apply stops, free what finished.
 
@@ -1074,6 +1089,8 @@ class DeviceScheduler:
                 self.stats.num_wasted_samples += 1
                 continue
             req.pending -= 1
+            if drafts is not None:
+                req.spec_drafts = tuple(int(t) for t in drafts[i] if t >= 0)
             if confidence_error is not None and row.num_drafts:
                 self.stats.confidence_error_sum += float(confidence_error[i])
             if confidences is not None:

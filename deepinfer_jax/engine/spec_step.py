@@ -141,6 +141,8 @@ def spec_device_step(
     st = inputs.sampling._replace(position=inputs.sampling.position + shift)
     rows_st = _rows_of(st, k + 1)
     rows_st = rows_st._replace(position=rows_st.position - nd[:, None] + j[None])
+    if spec.verify_masks is not None:  # grammar masks of each verify row (structured outputs with drafts)
+        rows_st = rows_st._replace(token_bitmask=spec.verify_masks)
     drafts = state.drafts[seq_slot]  # [S, K]
     draft_lps = state.draft_logprobs[seq_slot]
     forced = spec.forced[:, :k] >= 0  # the force_draft_tokens test hook: point-mass drafts
@@ -244,6 +246,7 @@ def spec_device_step(
         "accept_prob": out.accept_prob,
         "confidences": jnp.stack(confidences_k, axis=1),
         "confidence_error": jnp.where(writes, conf_error, 0.0),
+        "drafts": jnp.where(sampling_row[:, None], new_drafts, -1),
         "prompt": prompt_out,
     }
     return cache, state, outputs

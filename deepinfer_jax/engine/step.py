@@ -160,6 +160,8 @@ class StepOutput(NamedTuple):
         (variable-length verification plans with their cumulative products).
       confidence_error: speculative engines: float32 ``[S]`` ``Σ |acceptance probability - confidence|`` over
         the row's verified drafts.
+      drafts: speculative engines: int32 ``[S, K]`` the drafts each sampling row left in its slot's pool for the
+        next step (-1 elsewhere): the host builds a constrained request's verify-row masks from them.
     """
 
     tokens: jax.Array
@@ -176,6 +178,7 @@ class StepOutput(NamedTuple):
     accept_prob: jax.Array | None = None
     confidences: jax.Array | None = None
     confidence_error: jax.Array | None = None
+    drafts: jax.Array | None = None
 
 
 def prompt_logprobs(
@@ -279,6 +282,7 @@ def device_step(
                 accept_prob=spec_out["accept_prob"],
                 confidences=spec_out["confidences"],
                 confidence_error=spec_out["confidence_error"],
+                drafts=spec_out["drafts"],
             ),
         )
     num_seqs = inputs.seq_slots.shape[0]

@@ -15,6 +15,7 @@ forces preemption by recompute in the mixed batch.
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -288,3 +289,56 @@ def test_bfloat16_greedy_with_drafts_tracks_without():
         # bf16 logits carry ~3 significant digits: only a near-tie may flip.
         assert margin < 0.1, (j, margin)
     assert same >= len(prompts) // 2
+
+
+def test_structured_outputs_with_drafts():
+    """Constrained requests verify their drafts under one grammar mask per verify row (built on the host from
+    the drafts the previous step left): greedy constrained output equals the engine without drafts, free
+    requests of the same batch too, and drafts were verified for the constrained rows."""
+    from deepinfer_jax.engine.structured import StructuredOutputsParams as SO
+
+    prompts = _prompts(2)[:4]
+    schema = {
+        "type": "object",
+        "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["x"],
+    }
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, structured_outputs=SO(json=schema)),
+        SamplingParams(temperature=0, max_tokens=16, structured_outputs=SO(regex=r"[a-c]{3}-[0-9]{2}")),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(
+            temperature=0, max_tokens=12, structured_outputs=SO(choice=["alpha", "beta", "gamma"])
+        ),
+    ]
+    plain = [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in _run(_llm(0), prompts, params)]
+    spec = _llm(3)
+    outs = _run(spec, prompts, params)
+    assert [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in outs] == plain
+    assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", outs[1].outputs[0].text)
+    assert outs[3].outputs[0].text in ("alpha", "beta", "gamma")
+    constrained = [0, 1, 3]
+    again = _run(spec, [prompts[i] for i in constrained], [params[i] for i in constrained])
+    assert [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in again] == [
+        plain[i] for i in constrained
+    ]
+    assert sum(spec.last_stats.verified_at) > 0  # the constrained rows verified drafts
+    # The test hook: drafts equal to the constrained output are all accepted; a draft the grammar forbids
+    # (a letter where the regex wants a digit) is rejected by its verify row's mask, whatever the logits say.
+    golden = [plain[i][0] for i in constrained]
+    hooked = [params[i].replace(golden_token_ids=g) for i, g in zip(constrained, golden, strict=True)]
+    outs = _run(spec, [prompts[i] for i in constrained], hooked)
+    assert [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in outs] == [
+        plain[i] for i in constrained
+    ]
+    assert spec.last_stats.accepted_at == spec.last_stats.verified_at
+    tok = spec.get_tokenizer()
+    letter = next(t for t in range(512) if tok.decode([t]) == "a")
+    bad = list(golden[1])
+    # The last digit: output 5 of "xxx-dd" is a draft of the second decode row (outputs 1-3 are the first's
+    # drafts, output 4 its bonus token).
+    digit_at = max(j for j, t in enumerate(bad) if tok.decode([t]).isdigit())
+    bad[digit_at] = letter
+    outs = _run(spec, [prompts[1]], [params[1].replace(golden_token_ids=bad)])
+    assert (list(outs[0].outputs[0].token_ids), outs[0].outputs[0].text) == plain[1]
+    assert sum(spec.last_stats.accepted_at) < sum(spec.last_stats.verified_at)
