@@ -40,6 +40,7 @@ from deepinfer_jax.bench.online import run_online
 from deepinfer_jax.bench.workload import Request, Workload
 from deepinfer_jax.engine.llm import LLM, derive_seed
 from deepinfer_jax.engine.params import RequestOutput, SamplingParams
+from deepinfer_jax.engine.runner import RunStats, SpecCounters
 from deepinfer_jax.models import builtin
 
 __all__ = ["EngineBench", "HTTPBench", "ModelNotSupportedError", "StepTimer", "machine_info", "run_benchmark"]
@@ -215,7 +216,7 @@ class EngineBench:
         balancer = self.llm.expert_balancer
         if balancer is not None:
             moe_start = (balancer.total_peak, balancer.total_mean, balancer.rearrangements)
-        spec_start = self.llm.runner._spec_counters()
+        spec_start = self.llm.runner.spec_counters()
         ctx = timer.attach(self.llm) if measure_steps else contextlib.nullcontext(timer)
         with ctx:
             if w.online:
@@ -277,30 +278,25 @@ class EngineBench:
                 "eplb_rearrangements": balancer.rearrangements - moe_start[2],
             }
         run["speculative"] = _spec_summary(
-            self.llm.num_draft_tokens, spec_start, self.llm.runner._spec_counters()
+            self.llm.num_draft_tokens, self.llm.runner.spec_counters().since(spec_start)
         )
         run["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
         return run
 
 
-def _spec_summary(
-    num_draft_tokens: int,
-    before: tuple[Any, ...],
-    after: tuple[Any, ...],
-) -> dict[str, Any]:
-    """A run's speculative-decoding metrics (docs/speculative.md, "metrics") from the scheduler's counters."""
-    rows, emitted = after[0] - before[0], after[1] - before[1]
-    verified = [v - (before[2][i] if i < len(before[2]) else 0) for i, v in enumerate(after[2])]
-    accepted = [a - (before[3][i] if i < len(before[3]) else 0) for i, a in enumerate(after[3])]
+def _spec_summary(num_draft_tokens: int, counts: SpecCounters) -> dict[str, Any]:
+    """A run's speculative-decoding metrics (docs/speculative.md, "metrics"): ``RunStats``'s, from the
+    scheduler's counters over the run."""
+    st = counts.record(RunStats())
     return {
         "num_draft_tokens": num_draft_tokens,
-        "decode_rows": rows,
-        "verified_at": verified,
-        "accepted_at": accepted,
-        "acceptance_rates": [a / v if v else 0.0 for a, v in zip(accepted, verified, strict=True)],
-        "verified_per_step": sum(verified) / rows if rows else None,
-        "mean_accepted_length": emitted / rows if rows else None,
-        "confidence_error": (after[4] - before[4]) / sum(verified) if sum(verified) else None,
+        "decode_rows": st.spec_rows,
+        "verified_at": list(st.verified_at),
+        "accepted_at": list(st.accepted_at),
+        "acceptance_rates": list(st.acceptance_rates),
+        "verified_per_step": st.verified_per_step,
+        "mean_accepted_length": st.mean_accepted_length,
+        "confidence_error": st.confidence_error,
     }
 
 

@@ -292,17 +292,13 @@ def _draft_length(config: Any, sources: Mapping[str, str]) -> int:
 
 
 def _confidence_temperatures(config: Any, k: int) -> tuple[float, ...]:
-    """``speculative.confidence_temperature`` as one value per draft position (a scalar repeated)."""
+    """``speculative.confidence_temperature`` as one value per draft position (a scalar repeated). The config
+    checks a list against its draft length, which is the engine's whenever the engine drafts."""
     temps = config.speculative.confidence_temperature
     values = tuple(float(t) for t in (temps if isinstance(temps, tuple) else (temps,)))
-    if len(values) == 1:
-        return values * max(k, 1)
-    if len(values) != k:
-        raise ValueError(
-            f"speculative.confidence_temperature has {len(values)} values but the engine drafts {k} tokens; give one "
-            "value or one per draft"
-        )
-    return values
+    if not k:
+        return (1.0,)  # no drafts: unused
+    return values * k if len(values) == 1 else values
 
 
 def _auto_dtype(config: Any, sources: Mapping[str, str]) -> str:

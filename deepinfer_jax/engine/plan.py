@@ -216,7 +216,7 @@ class SpecInputs(NamedTuple):
       next_ids: int32 ``[D, S]`` the token after the row's last one when the row does not sample (the next
         prompt token of a prefill chunk: the draft layer pairs each token with its successor); -1 elsewhere.
       forced: int32 ``[D, S, K]`` draft tokens that replace the pool's (the ``speculative.force_draft_tokens``
-        test hook), -1 = the pool's draft.
+        test hook), -1 = the pool's draft; ``None`` when the hook is off (the step then compiles without it).
       verify_masks: int32 ``[D, S, K + 1, W]`` the grammar mask of every verify row (row ``j`` after ``j``
         drafts, :meth:`~deepinfer_jax.engine.grammar.RequestGrammar.draft_masks`), or ``None`` when the step has
         no grammar mask; rows without drafts repeat their one mask.
@@ -225,7 +225,7 @@ class SpecInputs(NamedTuple):
     num_drafts: Any
     shifted: Any
     next_ids: Any
-    forced: Any
+    forced: Any = None
     verify_masks: Any = None
 
 
@@ -484,7 +484,7 @@ def build_plan(
     num_drafts = np.zeros((d, s), np.int32)
     shifted = np.zeros((d, s), np.bool_)
     next_ids = np.full((d, s), -1, np.int32)
-    forced = np.full((d, s, max(num_draft_tokens, 1)), -1, np.int32)
+    forced = np.full((d, s, num_draft_tokens), -1, np.int32) if speculative and force_drafts else None
     params, seeds, sample_pos, output_lens, row_index, extra = [], [], [], [], [], []
     grammars: list[tuple[int, Any]] = []  # (row, the request's RequestGrammar) of sampled constrained rows
     wanted = prompt_wanted = 0
@@ -505,7 +505,8 @@ def build_plan(
             if speculative:
                 num_drafts[dev, i] = row.num_drafts
                 shifted[dev, i] = row.shifted
-                forced[dev, i, : len(row.forced)] = row.forced
+                if forced is not None:
+                    forced[dev, i, : len(row.forced)] = row.forced
                 if not row.sample:
                     after = req.tokens(row.start + row.length, row.start + row.length + 1)
                     next_ids[dev, i] = int(after[0]) if len(after) else -1

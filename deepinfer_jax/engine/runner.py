@@ -34,7 +34,7 @@ from deepinfer_jax.engine.scheduler import Scheduler
 from deepinfer_jax.engine.step import StepExecutor, StepOutput
 from deepinfer_jax.parallel.mesh import mesh_sizes
 
-__all__ = ["EngineRunner", "InFlight", "RunStats", "RunnerOptions"]
+__all__ = ["EngineRunner", "InFlight", "RunStats", "RunnerOptions", "SpecCounters"]
 
 
 @dataclasses.dataclass
@@ -92,12 +92,6 @@ class RunStats:
         """Drafts a decode row verified on average (``Σ verified / rows``, rows left without drafts included);
         ``None`` without drafts."""
         return sum(self.verified_at) / self.spec_rows if self.spec_rows else None
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        """All positions together: ``Σ accepted / Σ verified``; ``None`` without drafts."""
-        verified = sum(self.verified_at)
-        return sum(self.accepted_at) / verified if verified else None
 
     @property
     def run_seconds(self) -> float:
@@ -170,9 +164,35 @@ def _tree_to_host(tree: Any) -> Any:
     return jax.tree.map(_to_host, tree)
 
 
-def _minus(after: list[int], before: list[int]) -> tuple[int, ...]:
-    """Elementwise ``after - before`` of two per-position counter lists (``before`` may be shorter)."""
-    return tuple(a - (before[i] if i < len(before) else 0) for i, a in enumerate(after))
+class SpecCounters(NamedTuple):
+    """The scheduler's speculative-decoding counters at one moment (summed over devices)."""
+
+    rows: int = 0
+    emitted: int = 0
+    verified_at: tuple[int, ...] = ()
+    accepted_at: tuple[int, ...] = ()
+    confidence_error_sum: float = 0.0
+
+    def since(self, before: SpecCounters) -> SpecCounters:
+        """What was counted after ``before`` (per-position lists elementwise; ``before``'s may be shorter)."""
+
+        def minus(after: tuple[int, ...], earlier: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(a - (earlier[i] if i < len(earlier) else 0) for i, a in enumerate(after))
+
+        return SpecCounters(
+            self.rows - before.rows,
+            self.emitted - before.emitted,
+            minus(self.verified_at, before.verified_at),
+            minus(self.accepted_at, before.accepted_at),
+            self.confidence_error_sum - before.confidence_error_sum,
+        )
+
+    def record(self, stats: RunStats) -> RunStats:
+        """``stats`` with its speculative fields set to these counts."""
+        stats.spec_rows, stats.spec_emitted = self.rows, self.emitted
+        stats.verified_at, stats.accepted_at = self.verified_at, self.accepted_at
+        stats.confidence_error_sum = self.confidence_error_sum
+        return stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,16 +298,16 @@ class EngineRunner:
                     self.executor.params = self.balancer.rearrange(self.executor.params)
         return finished
 
-    def _spec_counters(self) -> tuple[int, int, list[int], list[int], float]:
+    def spec_counters(self) -> SpecCounters:
         """The scheduler's speculative-decoding counters so far (summed over devices)."""
         st = getattr(self.scheduler, "stats", None)
         if st is None or not hasattr(st, "num_spec_rows"):
-            return 0, 0, [], [], 0.0
-        return (
+            return SpecCounters()
+        return SpecCounters(
             st.num_spec_rows,
             st.num_spec_emitted,
-            list(st.verified_at),
-            list(st.accepted_at),
+            tuple(st.verified_at),
+            tuple(st.accepted_at),
             st.confidence_error_sum,
         )
 
@@ -335,7 +355,7 @@ class EngineRunner:
         compiles, compile_s = self.executor.compile_count, self.executor.compile_seconds
         cache_hits = self.executor.compile_cache_hits
         placeholders = self.placeholder_plans
-        spec_before = self._spec_counters()
+        spec_before = self.spec_counters()
         balancer = self.balancer
         peak, mean = (balancer.total_peak, balancer.total_mean) if balancer is not None else (0.0, 0.0)
         replaced = balancer.rearrangements if balancer is not None else 0
@@ -387,11 +407,7 @@ class EngineRunner:
         stats.compile_seconds = self.executor.compile_seconds - compile_s
         stats.compile_cache_hits = self.executor.compile_cache_hits - cache_hits
         stats.placeholder_plans = self.placeholder_plans - placeholders
-        rows, emitted, verified, accepted, error = self._spec_counters()
-        stats.confidence_error_sum = error - spec_before[4]
-        stats.spec_rows, stats.spec_emitted = rows - spec_before[0], emitted - spec_before[1]
-        stats.verified_at = _minus(verified, spec_before[2])
-        stats.accepted_at = _minus(accepted, spec_before[3])
+        self.spec_counters().since(spec_before).record(stats)
         if balancer is not None:
             stats.eplb_rearrangements = balancer.rearrangements - replaced
             if balancer.total_mean > mean:

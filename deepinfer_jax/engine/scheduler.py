@@ -760,10 +760,16 @@ class DeviceScheduler:
         """Positions past a sampling row's context that its draft layer writes (drafts 2..K)."""
         return max(self.num_draft_tokens - 1, 0) if sample else 0
 
+    def _tokens_held(self, req: Request, end: int, sample: bool) -> int:
+        """Positions ``req`` may have written once a row ending at host position ``end`` has run: its in-flight
+        drafts may put the row further, and a sampling row's draft layer writes past it."""
+        return end + req.spec_slack + self._draft_extra(sample)
+
     def _speculates(self, req: Request) -> bool:
-        """Whether ``req``'s decode rows verify drafts. Not while its next sample depends on exact host state:
-        a grammar or a multi-token bad word (masks from the tokens so far), teacher forcing, or ``min_tokens``
-        not yet reached (the EOS mask depends on the output count)."""
+        """Whether ``req``'s decode rows verify drafts. A constrained request does once its previous tokens (and
+        so its drafts) are on the host: one grammar mask per verify row. Not while its next sample depends on
+        exact host state the drafts would change: a multi-token bad word, teacher forcing, or ``min_tokens`` not
+        yet reached (the EOS mask depends on the output count)."""
         if not self.num_draft_tokens:
             return False
         if req.grammar is not None and not any(len(w) > 1 for w in req.bad_words_ids):
@@ -906,8 +912,7 @@ class DeviceScheduler:
                 nd = 0
                 if decode and speculates:
                     nd = min(self.num_draft_tokens, tokens_left - 1)
-                end = start + q + nd
-                need = end + req.spec_slack + self._draft_extra(sample)
+                need = self._tokens_held(req, start + q + nd, sample)
                 new_blocks += max(0, self.blocks.blocks_for(need) - len(req.block_ids))
                 forced: tuple[int, ...] = ()
                 pool: tuple[int, ...] = ()
@@ -939,7 +944,7 @@ class DeviceScheduler:
                 break
             self._preempt(max(self._running, key=_priority))
         for row in rows:
-            need = row.start + row.length + row.request.spec_slack + self._draft_extra(row.sample)
+            need = self._tokens_held(row.request, row.start + row.length, row.sample)
             missing = self.blocks.blocks_for(need) - len(row.request.block_ids)
             if missing > 0:
                 row.request.block_ids.extend(self.blocks.allocate(missing))
@@ -955,7 +960,8 @@ class DeviceScheduler:
         spec = [i for i, r in enumerate(rows) if r.num_drafts and not r.forced]
         if not spec:
             return rows, tokens_left
-        fixed = sum(r.length for i, r in enumerate(rows) if i not in set(spec))
+        chosen = set(spec)
+        fixed = sum(r.length for i, r in enumerate(rows) if i not in chosen)
         reqs = [rows[i].request for i in spec]
         budget = [r.spec_rates_prev if r.pending == 0 else r.spec_rates for r in reqs]
         drafts = self.verify_planner.plan(
@@ -1089,11 +1095,13 @@ class DeviceScheduler:
                 self.stats.num_wasted_samples += 1
                 continue
             req.pending -= 1
-            if drafts is not None:
+            if (
+                drafts is not None and req.grammar is not None
+            ):  # only constrained rows verify host-known drafts
                 req.spec_drafts = tuple(int(t) for t in drafts[i] if t >= 0)
             if confidence_error is not None and row.num_drafts:
                 self.stats.confidence_error_sum += float(confidence_error[i])
-            if confidences is not None:
+            if confidences is not None and self.verify_planner is not None:
                 req.spec_rates_prev = req.spec_rates
                 req.spec_rates = cumulative_rates(np.clip(np.asarray(confidences[i], np.float64), 0.0, 1.0))
             if accepted is None:

@@ -100,11 +100,17 @@ def spec_device_step(
     positions = jnp.where(real, inputs.positions + shift[row], 0)
     context_lens = jnp.where(inputs.seq_slots >= 0, inputs.context_lens + shift, 0)
 
-    # 2. Tokens: pending -> last sampled token, drafts -> the slot's pool.
+    # 2. Each row's drafts (the slot's pool, or the test hook's forced drafts as point masses), and the tokens:
+    # pending -> last sampled token, draft j -> the row's draft j.
+    drafts = state.drafts[seq_slot]  # [S, K]
+    draft_lps = state.draft_logprobs[seq_slot]
+    if spec.forced is not None:
+        forced = spec.forced >= 0
+        drafts = jnp.where(forced, spec.forced, drafts)
+        point = jnp.where(jax.nn.one_hot(drafts, vocab, dtype=jnp.bool_), 0.0, -jnp.inf)
+        draft_lps = jnp.where(forced[..., None], point, draft_lps)
     offset = jnp.arange(num_tokens, dtype=jnp.int32) - starts[row]
-    pool_index = jnp.clip(offset - 1, 0, k - 1)
-    forced_tok = spec.forced[row, jnp.minimum(pool_index, spec.forced.shape[1] - 1)]
-    pool = jnp.where(forced_tok >= 0, forced_tok, state.drafts[slot_of_token, pool_index])
+    pool = drafts[row, jnp.clip(offset - 1, 0, k - 1)]
     token_ids = inputs.token_ids
     is_draft = real & (token_ids == DRAFT_TOKEN)
     token_ids = jnp.where(token_ids == -1, state.last_tokens[slot_of_token], token_ids)
@@ -143,12 +149,6 @@ def spec_device_step(
     rows_st = rows_st._replace(position=rows_st.position - nd[:, None] + j[None])
     if spec.verify_masks is not None:  # grammar masks of each verify row (structured outputs with drafts)
         rows_st = rows_st._replace(token_bitmask=spec.verify_masks)
-    drafts = state.drafts[seq_slot]  # [S, K]
-    draft_lps = state.draft_logprobs[seq_slot]
-    forced = spec.forced[:, :k] >= 0  # the force_draft_tokens test hook: point-mass drafts
-    drafts = jnp.where(forced, spec.forced[:, :k], drafts)
-    point = jnp.where(jax.nn.one_hot(drafts, vocab, dtype=jnp.bool_), 0.0, -jnp.inf)
-    draft_lps = jnp.where(forced[..., None], point, draft_lps)
     used = jnp.arange(k, dtype=jnp.int32)[None] < nd[:, None]
     onehot = jax.nn.one_hot(jnp.where(used, drafts, vocab), vocab, dtype=jnp.int32)  # vocab -> all zeros
     before = jnp.concatenate([jnp.zeros_like(onehot[:, :1]), jnp.cumsum(onehot, axis=1)], axis=1)

@@ -220,9 +220,16 @@ def test_mesh_greedy_equals_one_device():
     assert _llm(1, 2, 4).last_stats.spec_rows > 0
 
 
-def test_draft_length_settings():
-    """None = the natural length (tiny-v3: one MTP layer -> 1), refusals name the field and the value."""
-    assert _llm(1).num_draft_tokens == 1 and _llm(0).num_draft_tokens == 0
+def test_draft_length_settings(monkeypatch):
+    """None = the natural length (tiny-v3: one MTP layer -> 1; tiny-v41: its drafter is not in the engine -> 0),
+    DEEPINFER_USE_NEXTN_DECODE sets it, refusals name the field and the value."""
+    small = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "kv_cache_memory": "4MiB"}
+    monkeypatch.delenv("DEEPINFER_USE_NEXTN_DECODE")  # the suite's pin (tests/conftest.py)
+    assert LLM("tiny-v3", **small).num_draft_tokens == 1
+    assert LLM("tiny-v41", **small).num_draft_tokens == 0
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")
+    assert LLM("tiny-v3", **small).num_draft_tokens == 2
+    assert LLM("tiny-v3", num_draft_tokens=0, **small).num_draft_tokens == 0  # the keyword wins
     with pytest.raises(ValueError, match="num_draft_tokens"):
         LLM("tiny-v3", num_draft_tokens=-1)
     with pytest.raises(ValueError, match="compute_sum_smaller_probs"):

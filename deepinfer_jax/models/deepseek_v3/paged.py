@@ -39,6 +39,7 @@ __all__ = [
     "cache_storage",
     "forward_logits",
     "forward_paged",
+    "head_logits",
     "mtp_logits",
     "mtp_paged",
     "paged_decoder_layer",
@@ -183,8 +184,12 @@ def forward_logits(
     """Float32 logits of the tokens ``logit_index`` (default each row's last token) and the updated cache."""
     hidden, cache = forward_paged(params, cfg, token_ids, cache, _paged_meta(cache, meta), tile=tile)
     index = meta.last_token() if logit_index is None else logit_index
-    logits = rowwise(lambda h: lm_head(h, params["lm_head"]), tile, hidden[index])
-    return logits, cache
+    return head_logits(params, hidden[index], tile=tile), cache
+
+
+def head_logits(params: Params, hidden: jax.Array, *, tile: int | None = None) -> jax.Array:
+    """Float32 logits of the LM head on post-final-norm hidden states ``[N, H]``."""
+    return rowwise(lambda h: lm_head(h, params["lm_head"]), tile, hidden)
 
 
 def mtp_paged(
@@ -286,7 +291,7 @@ class V3PagedModel(PagedModel):
         return forward_paged(params, self.cfg, token_ids, cache, _paged_meta(cache, meta), tile=tile)
 
     def head(self, params: Any, hidden: jax.Array, *, tile: int | None) -> jax.Array:
-        return rowwise(lambda h: lm_head(h, params["lm_head"]), tile, hidden)
+        return head_logits(params, hidden, tile=tile)
 
     def draft_hidden(
         self,
