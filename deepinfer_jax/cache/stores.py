@@ -173,6 +173,8 @@ class CompressedCache(NamedTuple):
       state: per compressor that pools several tokens, float32 rings ``(projections, gates)`` of its last
         tokens ``[num_slots, R, F]`` each (V4.1's ratio-2 pending pair keeps ``(a, g)`` there).
       engram: V4.1's Engram history ``int32 [num_slots, Nmax - 1]`` (the last compressed ids), or ``None``.
+      draft: V4.1's DSpark context-key rings, one ``[num_slots, W + B, D]`` per draft layer (speculative engines
+        only; empty otherwise).
     """
 
     window: tuple[jax.Array, ...]
@@ -180,3 +182,4 @@ class CompressedCache(NamedTuple):
     ik: tuple[jax.Array, ...]
     state: tuple[tuple[jax.Array, jax.Array], ...]
     engram: jax.Array | None = None
+    draft: tuple[jax.Array, ...] = ()

@@ -180,8 +180,9 @@ FIELDS: dict[str, Setting] = {
     "scheduler.min_bucket_fill": _honoured("cut prefill chunks to fill a smaller bucket below this fill"),
     # ------------------------------------------------------------------------------------------ speculative
     "speculative.num_draft_tokens": _honoured(
-        "drafts per decode row (deepseek_v3: its MTP layer, run k times for k > 1); None = the model's natural "
-        "length; other families refuse k > 0 (their drafters in the step are not built yet) and run without"
+        "drafts per decode row (deepseek_v3: its MTP layer, run k times for k > 1; deepseek_v41: the first k of "
+        "the DSpark block, k <= dspark_block_size); None = the model's natural length; deepseek_v4 refuses k > 0 "
+        "(its MTP drafter in the step is not built yet) and runs without"
     ),
     "speculative.force_draft_tokens": _honoured(
         "test hook: golden_token_ids become the requests' draft tokens instead of forced outputs"
@@ -193,7 +194,8 @@ FIELDS: dict[str, Setting] = {
         ),
     ),
     "speculative.confidence_temperature": _honoured(
-        "temperature of the draft confidences (V3 MTP: the draft probability's log-odds through a sigmoid)"
+        "temperature of the draft confidences (V4.1: the DSpark confidence head's logit; V3 MTP: the draft "
+        "probability's log-odds; through a sigmoid)"
     ),
     "speculative.latency_cache_dir": _honoured("where the measured decode latency curve is cached"),
     "speculative.latency_cache_ttl_s": _honoured("how long a cached decode latency curve is read"),

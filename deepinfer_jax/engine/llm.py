@@ -93,7 +93,7 @@ LLM_DEFAULTS: dict[str, Any] = {
     "batch_invariant": False,
     "data_parallel_size": 1,
     "expert_parallel_size": 1,
-    "num_draft_tokens": None,  # the model's natural draft length (V3 with an MTP layer: 1)
+    "num_draft_tokens": None,  # the model's natural draft length (V3: 1 per MTP layer; V4.1: dspark_block_size)
     "speculative_variable_length": False,
 }
 """What each of LLM's keyword arguments is when neither the call nor a config source sets it."""
@@ -259,7 +259,8 @@ def _draft_length(config: Any, sources: Mapping[str, str]) -> int:
     asked = config.speculative.num_draft_tokens
     layers = int(getattr(config.model, "num_nextn_predict_layers", 0) or 0)
     family = str(getattr(config.model.family, "value", config.model.family))
-    drafts_here = family == "deepseek_v3"  # the families whose paged model runs its draft layers in the step
+    # The families whose paged model runs its draft layers in the step: V3's MTP layers, V4.1's DSpark drafter.
+    drafts_here = family in ("deepseek_v3", "deepseek_v41")
     if asked is not None:
         k = int(asked)
         if k and not layers:
@@ -268,8 +269,14 @@ def _draft_length(config: Any, sources: Mapping[str, str]) -> int:
             )
         if k and not drafts_here:
             raise ValueError(
-                f"{field} = {k} (from {where}): speculative decoding of {family} (its DSpark / MTP drafter in the "
-                "engine step) is not built yet; only deepseek_v3's MTP layer drafts. Use 0"
+                f"{field} = {k} (from {where}): speculative decoding of {family} (its MTP drafter in the engine "
+                "step) is not built yet; deepseek_v3's MTP layers and deepseek_v41's DSpark drafter draft. Use 0"
+            )
+        block = getattr(config.model, "dspark_block_size", None) if family == "deepseek_v41" else None
+        if k and block is not None and k > block:
+            raise ValueError(
+                f"{field} = {k} (from {where}): the DSpark drafter proposes dspark_block_size = {block} tokens "
+                f"per step; use at most {block}"
             )
         if k and config.sampling.compute_sum_smaller_probs:
             raise ValueError(
@@ -553,7 +560,11 @@ class LLM:
         num_slots = max_num_seqs + 1
         _, paged_model = self.model.family.engine_support()
         self.paged_model = paged_model(
-            self.model, block_size=config.cache.block_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype
+            self.model,
+            block_size=config.cache.block_size,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            draft_tokens=self.num_draft_tokens,
         )
         if budget is None:
             device = mesh.devices.flat[0]

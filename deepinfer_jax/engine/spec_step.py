@@ -182,48 +182,50 @@ def spec_device_step(
         counts, jnp.where(took, inputs.seq_slots[:, None], -1).reshape(-1), drafts.reshape(-1)
     )
 
-    # 7. The next drafts. Token t pairs with the token after it; the row's last accepted token with the bonus.
-    last_valid = jnp.where(inputs.sample, lengths - 1 - nd + accepted, lengths - 1)  # per row, an offset
-    after = jnp.where(inputs.sample, bonus, spec.next_ids)
-    shifted_ids = jnp.concatenate([token_ids[1:], jnp.zeros((1,), token_ids.dtype)])
-    next_ids = jnp.where(
-        offset == last_valid[row], after[row], jnp.where(offset < last_valid[row], shifted_ids, 0)
-    )
-    next_ids = jnp.where(real, jnp.clip(next_ids, 0, vocab - 1), 0)
-    draft_h, cache = model.draft_hidden(params, cache, hidden, next_ids, meta, tile=tile)
-    h = draft_h[jnp.clip(starts + last_valid, 0, num_tokens - 1)]  # [S, H]
+    # 7. The next drafts.
     draft_st = st._replace(golden=jnp.full_like(st.golden, -1))
     sampling_row = writes & ok
-    tokens_k, logprobs_k, confidences_k = [], [], []
-    seq_index = jnp.arange(num_seqs, dtype=jnp.int32)
-    for i in range(k):
-        if i:
-            # Draft i + 1: the draft layer on its own output and draft i, at the position of draft i - 1's token.
-            pos = bonus_pos + i
-            step_meta = make_meta(
-                jnp.where(sampling_row, seq_index, num_seqs),
-                jnp.where(sampling_row, pos - 1, 0),
-                jnp.arange(num_seqs + 1, dtype=jnp.int32),
-                jnp.where(sampling_row, pos, 0),
-                inputs.seq_slots,
-                inputs.block_tables,
-            )
-            h, cache = model.draft_hidden(params, cache, h, tokens_k[-1], step_meta, tile=tile)
-        logits_i = model.draft_head(params, h, tile=tile)
-        d_i, lp_i = draft_sample(
-            logits_i,
-            draft_st._replace(position=bonus_pos + 1 + i),
-            force_top_k=sampler.force_top_k,
+    if model.draft_kind == "dspark":
+        tokens_k, logprobs_k, confidences_k, cache = _dspark_drafts(
+            params,
+            cache,
+            model,
+            k,
+            jnp.where(ok, bonus, 0),
+            bonus_pos,
+            jnp.where(sampling_row, inputs.seq_slots, -1),
+            draft_st,
+            sampler=sampler,
             batch_invariant=batch_invariant,
+            tile=tile,
+            confidence_temperature=confidence_temperature,
         )
-        tokens_k.append(d_i)
-        logprobs_k.append(lp_i)
-        # Confidence of draft i + 1: the draft head's probability of it, as log-odds through a sigmoid at the
-        # position's confidence temperature (V3's MTP layer has no confidence head of its own).
-        p = jnp.take_along_axis(jax.nn.log_softmax(logits_i), jnp.maximum(d_i, 0)[:, None], axis=1)[:, 0]
-        odds = p - jnp.log(-jnp.expm1(jnp.minimum(p, -1e-7)))
-        temp = max(confidence_temperature[min(i, len(confidence_temperature) - 1)], 1e-5)
-        confidences_k.append(jnp.where(d_i >= 0, jax.nn.sigmoid(jnp.clip(odds / temp, -60.0, 60.0)), 0.0))
+    else:
+        tokens_k, logprobs_k, confidences_k, cache = _mtp_drafts(
+            params,
+            cache,
+            model,
+            k,
+            hidden,
+            token_ids,
+            inputs,
+            meta,
+            offset,
+            row,
+            real,
+            lengths,
+            nd,
+            accepted,
+            bonus,
+            bonus_pos,
+            sampling_row,
+            draft_st,
+            vocab=vocab,
+            sampler=sampler,
+            batch_invariant=batch_invariant,
+            tile=tile,
+            confidence_temperature=confidence_temperature,
+        )
     new_drafts = jnp.stack(tokens_k, axis=1)
     new_logprobs = jnp.stack(logprobs_k, axis=1)
     pool_target = jnp.where(sampling_row, inputs.seq_slots, num_slots)
@@ -250,3 +252,127 @@ def spec_device_step(
         "prompt": prompt_out,
     }
     return cache, state, outputs
+
+
+def _temperature(confidence_temperature: tuple[float, ...], i: int) -> float:
+    """The confidence temperature of draft position ``i`` (the last value repeats), at least ``1e-5``."""
+    return max(confidence_temperature[min(i, len(confidence_temperature) - 1)], 1e-5)
+
+
+def _draw(
+    logits: jax.Array, draft_st: SamplingTensors, position: jax.Array, sampler: Any, batch_invariant: bool
+) -> tuple[jax.Array, jax.Array]:
+    """A draft token per row with the request's own sampling parameters (no penalties), keyed at
+    ``position``: ``(token [S], log-distribution [S, V])``."""
+    return draft_sample(
+        logits,
+        draft_st._replace(position=position),
+        force_top_k=sampler.force_top_k,
+        batch_invariant=batch_invariant,
+    )
+
+
+def _mtp_drafts(
+    params: Any,
+    cache: Any,
+    model: PagedModel,
+    k: int,
+    hidden: jax.Array,
+    token_ids: jax.Array,
+    inputs: Any,
+    meta: Any,
+    offset: jax.Array,
+    row: jax.Array,
+    real: jax.Array,
+    lengths: jax.Array,
+    nd: jax.Array,
+    accepted: jax.Array,
+    bonus: jax.Array,
+    bonus_pos: jax.Array,
+    sampling_row: jax.Array,
+    draft_st: SamplingTensors,
+    *,
+    vocab: int,
+    sampler: Any,
+    batch_invariant: bool,
+    tile: int | None,
+    confidence_temperature: tuple[float, ...],
+) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array], Any]:
+    """V3's MTP drafts: token ``t`` pairs with the token after it, the row's last accepted token with the
+    bonus; drafts ``2..k`` run the MTP layer again on its own output (module docstring, step 7)."""
+    num_tokens = token_ids.shape[0]
+    num_seqs = inputs.seq_slots.shape[0]
+    starts = inputs.query_start[:-1]
+    last_valid = jnp.where(inputs.sample, lengths - 1 - nd + accepted, lengths - 1)  # per row, an offset
+    after = jnp.where(inputs.sample, bonus, inputs.spec.next_ids)
+    shifted_ids = jnp.concatenate([token_ids[1:], jnp.zeros((1,), token_ids.dtype)])
+    next_ids = jnp.where(
+        offset == last_valid[row], after[row], jnp.where(offset < last_valid[row], shifted_ids, 0)
+    )
+    next_ids = jnp.where(real, jnp.clip(next_ids, 0, vocab - 1), 0)
+    draft_h, cache = model.draft_hidden(params, cache, hidden, next_ids, meta, tile=tile)
+    h = draft_h[jnp.clip(starts + last_valid, 0, num_tokens - 1)]  # [S, H]
+    tokens_k: list[jax.Array] = []
+    logprobs_k: list[jax.Array] = []
+    confidences_k: list[jax.Array] = []
+    seq_index = jnp.arange(num_seqs, dtype=jnp.int32)
+    for i in range(k):
+        if i:
+            # Draft i + 1: the draft layer on its own output and draft i, at the position of draft i - 1's token.
+            pos = bonus_pos + i
+            step_meta = make_meta(
+                jnp.where(sampling_row, seq_index, num_seqs),
+                jnp.where(sampling_row, pos - 1, 0),
+                jnp.arange(num_seqs + 1, dtype=jnp.int32),
+                jnp.where(sampling_row, pos, 0),
+                inputs.seq_slots,
+                inputs.block_tables,
+            )
+            h, cache = model.draft_hidden(params, cache, h, tokens_k[-1], step_meta, tile=tile)
+        logits_i = model.draft_head(params, h, tile=tile)
+        d_i, lp_i = _draw(logits_i, draft_st, bonus_pos + 1 + i, sampler, batch_invariant)
+        tokens_k.append(d_i)
+        logprobs_k.append(lp_i)
+        # Confidence of draft i + 1: the draft head's probability of it, as log-odds through a sigmoid at the
+        # position's confidence temperature (V3's MTP layer has no confidence head of its own).
+        p = jnp.take_along_axis(jax.nn.log_softmax(logits_i), jnp.maximum(d_i, 0)[:, None], axis=1)[:, 0]
+        odds = p - jnp.log(-jnp.expm1(jnp.minimum(p, -1e-7)))
+        temp = _temperature(confidence_temperature, i)
+        confidences_k.append(jnp.where(d_i >= 0, jax.nn.sigmoid(jnp.clip(odds / temp, -60.0, 60.0)), 0.0))
+    return tokens_k, logprobs_k, confidences_k, cache
+
+
+def _dspark_drafts(
+    params: Any,
+    cache: Any,
+    model: Any,
+    k: int,
+    bonus: jax.Array,
+    bonus_pos: jax.Array,
+    slots: jax.Array,
+    draft_st: SamplingTensors,
+    *,
+    sampler: Any,
+    batch_invariant: bool,
+    tile: int | None,
+    confidence_temperature: tuple[float, ...],
+) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array], Any]:
+    """V4.1's DSpark drafts: the block ``[bonus, noise, …]`` at the positions after the last accepted token,
+    over the context keys the backbone wrote this step and before (``V41PagedModel.dspark_block``); drafts are
+    drawn one after the other, row ``i`` with the Markov term of the token before it and its confidence from
+    the drafter's confidence head at the position's temperature. The block always has the drafter's own size
+    ``B``; the step keeps its first ``k`` drafts."""
+    h = model.dspark_block(params, cache, bonus, bonus_pos - 1, slots, tile=tile)  # [S, B, H]
+    tokens_k: list[jax.Array] = []
+    logprobs_k: list[jax.Array] = []
+    confidences_k: list[jax.Array] = []
+    prev = bonus
+    for i in range(k):
+        logits_i, raw = model.dspark_logits(params, h[:, i], prev, tile=tile)
+        d_i, lp_i = _draw(logits_i, draft_st, bonus_pos + 1 + i, sampler, batch_invariant)
+        conf = jax.nn.sigmoid(jnp.clip(raw / _temperature(confidence_temperature, i), -60.0, 60.0))
+        tokens_k.append(d_i)
+        logprobs_k.append(lp_i)
+        confidences_k.append(jnp.where(d_i >= 0, conf, 0.0))
+        prev = jnp.maximum(d_i, 0)
+    return tokens_k, logprobs_k, confidences_k, cache

@@ -78,8 +78,15 @@ class PagedModel(abc.ABC):
 
     @property
     def num_draft_layers(self) -> int:
-        """Draft layers the family runs in the step (V3's MTP layers); 0: the model cannot draft."""
+        """Draft layers the family runs in the step (V3's MTP layers, V4.1's DSpark layers); 0: the model cannot
+        draft."""
         return 0
+
+    @property
+    def draft_kind(self) -> str:
+        """How the step drafts: ``"mtp"`` (:meth:`draft_hidden` / :meth:`draft_head`, V3) or ``"dspark"`` (a
+        block per row from the model's ``dspark_block`` / ``dspark_logits``, V4.1)."""
+        return "mtp"
 
     def forward_hidden(
         self, params: Any, cache: Any, token_ids: jax.Array, meta: RaggedMeta, *, tile: int | None

@@ -221,12 +221,11 @@ def test_mesh_greedy_equals_one_device():
 
 
 def test_draft_length_settings(monkeypatch):
-    """None = the natural length (tiny-v3: one MTP layer -> 1; tiny-v41: its drafter is not in the engine -> 0),
-    DEEPINFER_USE_NEXTN_DECODE sets it, refusals name the field and the value."""
+    """None = the natural length (tiny-v3: one MTP layer -> 1; tiny-v41's DSpark block: tests/engine/
+    test_engine_dspark.py), DEEPINFER_USE_NEXTN_DECODE sets it, refusals name the field and the value."""
     small = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "kv_cache_memory": "4MiB"}
     monkeypatch.delenv("DEEPINFER_USE_NEXTN_DECODE")  # the suite's pin (tests/conftest.py)
     assert LLM("tiny-v3", **small).num_draft_tokens == 1
-    assert LLM("tiny-v41", **small).num_draft_tokens == 0
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")
     assert LLM("tiny-v3", **small).num_draft_tokens == 2
     assert LLM("tiny-v3", num_draft_tokens=0, **small).num_draft_tokens == 0  # the keyword wins
@@ -235,7 +234,7 @@ def test_draft_length_settings(monkeypatch):
     with pytest.raises(ValueError, match="compute_sum_smaller_probs"):
         LLM("tiny-v3", num_draft_tokens=2, **{"sampling.compute_sum_smaller_probs": True})
     with pytest.raises(ValueError, match=r"speculative\.num_draft_tokens = 2 .*not built yet"):
-        LLM("tiny-v41", num_draft_tokens=2)
+        LLM("tiny-v4", num_draft_tokens=2)
 
 
 def test_variable_length_verification(tmp_path):

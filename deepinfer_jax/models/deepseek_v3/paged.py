@@ -315,6 +315,9 @@ def cache_storage(dtype: str, kv_cache_dtype: str = "auto") -> str:
     return latent_cache_dtype(dtype, kv_cache_dtype)
 
 
-def paged_model(model: Any, *, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> V3PagedModel:
-    """The engine's view of a loaded V3 model (``load_model``'s result)."""
+def paged_model(
+    model: Any, *, block_size: int, dtype: str, kv_cache_dtype: str = "auto", draft_tokens: int = 0
+) -> V3PagedModel:
+    """The engine's view of a loaded V3 model (``load_model``'s result); its MTP layers draft whenever the step
+    speculates (``draft_tokens`` needs nothing of the latent cache)."""
     return V3PagedModel(model.config, block_size, cache_storage(dtype, kv_cache_dtype))

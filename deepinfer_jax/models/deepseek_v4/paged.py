@@ -549,6 +549,11 @@ def cache_storage(dtype: str, kv_cache_dtype: str = "auto") -> str:
     return key_cache_storage("deepseek_v4", dtype, kv_cache_dtype)
 
 
-def paged_model(model: Any, *, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> V4PagedModel:
-    """The engine's view of a loaded V4 model (``load_model``'s result)."""
+def paged_model(
+    model: Any, *, block_size: int, dtype: str, kv_cache_dtype: str = "auto", draft_tokens: int = 0
+) -> V4PagedModel:
+    """The engine's view of a loaded V4 model (``load_model``'s result); it does not draft (``draft_tokens``
+    must be 0)."""
+    if draft_tokens:
+        raise ValueError(f"speculative.num_draft_tokens = {draft_tokens}: the V4 paged model has no drafter")
     return V4PagedModel.create(model, block_size=block_size, dtype=dtype, cache_dtype=kv_cache_dtype)

@@ -75,6 +75,13 @@ from deepinfer_jax.models.common.linear import LinearNumerics, linear
 from deepinfer_jax.models.deepseek_v4 import family_v41
 from deepinfer_jax.models.deepseek_v4.attention import grouped_output_projection
 from deepinfer_jax.models.deepseek_v4.compressor import visible_entries
+from deepinfer_jax.models.deepseek_v4.dspark import (
+    ContextKeys,
+    DSparkStatic,
+    context_keys,
+    draft_hidden,
+    target_features,
+)
 from deepinfer_jax.models.deepseek_v4.engram import engram_layer, hash_rows, ngram_ids
 from deepinfer_jax.models.deepseek_v4.mhc import hc_collapse, hc_expand, hc_head, hc_mixes
 from deepinfer_jax.models.deepseek_v4.plan_v41 import V41LayerPlan
@@ -147,6 +154,10 @@ class V41PagedModel(PagedModel):
         cache_dtype: ``"float32"`` / ``"bfloat16"`` (unquantised keys of that dtype) or ``"quantized"`` (the
             production record formats).
         head_dim, index_head_dim, use_fp4: the cache widths and the compressed format.
+        dspark: the DSpark drafter's statics when the engine drafts with it (``None``: no drafts). Its block size
+            ``B`` is the margin every per-slot ring gets (``W + B`` window and draft rings, ``r + B`` C2 pending,
+            ``Nmax - 1 + B`` Engram history): a step writes at most ``B`` positions past the last token it keeps,
+            and the rejected ones must not overwrite a position a later step reads (docs/speculative.md).
     """
 
     static: V41Static
@@ -156,16 +167,23 @@ class V41PagedModel(PagedModel):
     head_dim: int
     index_head_dim: int
     use_fp4: bool
+    dspark: DSparkStatic | None = None
 
     @classmethod
-    def create(cls, model: Any, *, block_size: int, dtype: str, cache_dtype: str) -> V41PagedModel:
+    def create(
+        cls, model: Any, *, block_size: int, dtype: str, cache_dtype: str, draft_tokens: int = 0
+    ) -> V41PagedModel:
         """The paged model of a loaded V4.1 model (``load_model``'s result), refusing what it cannot page.
+
+        ``draft_tokens > 0`` builds the DSpark drafter into the step (``dspark_block_size`` drafts per block; the
+        engine verifies the first ``draft_tokens`` of them, at most the block size).
 
         Raises:
             TypeError: ``block_size`` is not an int.
             ValueError: a ``dtype`` outside ``("float32", "bfloat16")``, a ``cache_dtype`` outside ``("auto",
                 "float32", "bfloat16", "quantized")``, parameters assembled
-                in another precision mode, or a ``block_size`` that some compress ratio does not divide.
+                in another precision mode, a ``block_size`` that some compress ratio does not divide, or
+                ``draft_tokens`` for a model without a drafter or above its block size.
         """
         if dtype not in _MODES:
             raise ValueError(f"dtype: {dtype!r} is not a precision mode; expected one of {_MODES}")
@@ -175,6 +193,14 @@ class V41PagedModel(PagedModel):
         if mode != dtype:
             raise ValueError(f"dtype: {dtype!r}, but the model's parameters were assembled in {mode!r} mode")
         static = family_v41.static_for(cfg, dtype)
+        dspark = None
+        if draft_tokens:
+            dspark = DSparkStatic.from_config(cfg, static)
+            if draft_tokens > dspark.block_size:
+                raise ValueError(
+                    f"speculative.num_draft_tokens = {draft_tokens}: the DSpark drafter proposes "
+                    f"dspark_block_size = {dspark.block_size} tokens per step; use at most that"
+                )
         out = cls(
             static=static,
             block_size=block_size,
@@ -183,6 +209,7 @@ class V41PagedModel(PagedModel):
             head_dim=int(cfg.head_dim),
             index_head_dim=int(cfg.index_head_dim or 0),
             use_fp4=cfg.use_fp4_sparse_kv is not False,
+            dspark=dspark,
         )
         out.check_block_size(block_size)
         return out
@@ -232,6 +259,16 @@ class V41PagedModel(PagedModel):
         return 0 if self.static.engram is None else self.static.engram.max_ngram_size - 1
 
     @property
+    def ring_margin(self) -> int:
+        """Extra positions of every per-slot ring: the drafter's block size ``B`` (0 without drafts)."""
+        return 0 if self.dspark is None else self.dspark.block_size
+
+    @property
+    def window_ring(self) -> int:
+        """Positions a window (and draft context-key) ring holds: ``W + B``."""
+        return self.window + self.ring_margin
+
+    @property
     def production(self) -> bool:
         return self.cache_dtype == "quantized"
 
@@ -265,9 +302,12 @@ class V41PagedModel(PagedModel):
         kv_block = sum((self.block_size // self._ratio(s)) * cmp.item_bytes for s in self.kv_sources)
         ik_block = sum((self.block_size // self._ratio(s)) * idx.item_bytes for s in self.index_k_sources)
         num_layers = len(self.layers)
-        window_slot = num_layers * self.window * wnd.item_bytes
-        pending_slot = sum(2 * self._ratio(s) * self.head_dim * 4 for s in self.pending_sources)
-        engram_slot = self.engram_depth * 4
+        margin = self.ring_margin
+        window_slot = num_layers * self.window_ring * wnd.item_bytes
+        pending_slot = sum(2 * (self._ratio(s) + margin) * self.head_dim * 4 for s in self.pending_sources)
+        engram_slot = (self.engram_depth + margin) * 4 if self.engram_depth else 0
+        draft_layers = 0 if self.dspark is None else self.dspark.num_layers
+        draft_slot = draft_layers * self.window_ring * self.head_dim * jnp.dtype(self.dtype).itemsize
         if self.production:
             kinds = [f"window {wnd.describe()}", f"compressed {cmp.describe()}"]
             kinds += [f"indexer {idx.describe()}"] if self.index_k_sources else []
@@ -280,7 +320,7 @@ class V41PagedModel(PagedModel):
             return f"{len(layers)} owning layer(s) {list(layers)}, ratio(s) {ratios}"
 
         lines = [
-            f"window ring: {self.window} positions x {wnd.item_bytes} B ({wnd.describe()}, {self.head_dim} values) per layer, "
+            f"window ring: {self.window_ring} positions x {wnd.item_bytes} B ({wnd.describe()}, {self.head_dim} values) per layer, "
             f"{num_layers} layers (every layer owns its window) = {window_slot} B per slot",
             f"compressed keys: {cmp.item_bytes} B per entry ({cmp.describe()}, {self.head_dim} values), block / ratio entries per "
             f"page, {owners(self.kv_sources)} (consumers alias them) = {kv_block} B per block",
@@ -298,12 +338,20 @@ class V41PagedModel(PagedModel):
             )
         if self.engram_depth:
             lines.append(
-                f"Engram history: the last {self.engram_depth} compressed ids (int32) = {engram_slot} B per slot"
+                f"Engram history: the last {self.engram_depth + margin} compressed ids (int32) = {engram_slot} B "
+                "per slot"
             )
+        if draft_layers:
+            lines.append(
+                f"DSpark context keys: {self.window_ring} positions x {self.head_dim} values ({self.dtype}), "
+                f"{draft_layers} draft layer(s) = {draft_slot} B per slot"
+            )
+        if margin:
+            lines.append(f"every ring holds {margin} positions more (the drafts a step may reject)")
         return CacheLayout(
             block_size=self.block_size,
             bytes_per_block=kv_block + ik_block,
-            bytes_per_slot=window_slot + pending_slot + engram_slot,
+            bytes_per_slot=window_slot + pending_slot + engram_slot + draft_slot,
             dtype=dtype,
             lines=tuple(lines),
         )
@@ -314,31 +362,103 @@ class V41PagedModel(PagedModel):
         """Zeroed caches: window rings, compressed / indexer pages, C2 pending rings, Engram history."""
         wnd, cmp, idx = self.window_store, self.compressed_store, self.indexer_store
 
+        margin = self.ring_margin
+
         def pending(layer: int) -> tuple[jax.Array, jax.Array]:
             return tuple(
-                jnp.zeros((num_slots, self._ratio(layer), self.head_dim), jnp.float32) for _ in range(2)
+                jnp.zeros((num_slots, self._ratio(layer) + margin, self.head_dim), jnp.float32)
+                for _ in range(2)
             )
 
+        draft_layers = 0 if self.dspark is None else self.dspark.num_layers
         return CompressedCache(
-            window=tuple(wnd.zeros(num_slots, self.window) for _ in self.layers),
+            window=tuple(wnd.zeros(num_slots, self.window_ring) for _ in self.layers),
             kv=tuple(cmp.zeros(num_blocks, self.block_size // self._ratio(s)) for s in self.kv_sources),
             ik=tuple(idx.zeros(num_blocks, self.block_size // self._ratio(s)) for s in self.index_k_sources),
             state=tuple(pending(s) for s in self.pending_sources),
-            engram=jnp.zeros((num_slots, self.engram_depth), jnp.int32) if self.engram_depth else None,
+            engram=(
+                jnp.zeros((num_slots, self.engram_depth + margin), jnp.int32) if self.engram_depth else None
+            ),
+            draft=tuple(
+                jnp.zeros((num_slots, self.window_ring, self.head_dim), jnp.dtype(self.dtype))
+                for _ in range(draft_layers)
+            ),
         )
 
     def copy_cache(self, cache: Any, block_src: Any, block_dst: Any, slot_src: Any, slot_dst: Any) -> Any:
-        """Compressed and indexer pages by block; window rings, C2 pending rings and the Engram history by
-        slot."""
+        """Compressed and indexer pages by block; window rings, C2 pending rings, the Engram history and the
+        draft context-key rings by slot."""
         return cache._replace(
             window=copy_tree(cache.window, slot_src, slot_dst),
             kv=copy_tree(cache.kv, block_src, block_dst),
             ik=copy_tree(cache.ik, block_src, block_dst),
             state=copy_tree(cache.state, slot_src, slot_dst),
             engram=None if cache.engram is None else copy_rows(cache.engram, slot_src, slot_dst),
+            draft=copy_tree(cache.draft, slot_src, slot_dst),
         )
 
     # -------------------------------------------------------------------------------------- forward
+
+    def _backbone(
+        self,
+        params: Any,
+        cache: Any,
+        token_ids: jax.Array,
+        meta: RaggedMeta,
+        tile: int | None,
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[jax.Array, jax.Array, CompressedCache, dict[int, jax.Array]]:
+        """Every layer over the flat batch: ``(streams [T, m, H], carried pre-mix [T, m], cache, captured)``.
+
+        ``captured`` maps each layer of ``capture_layers`` to the float32 mean over streams of the state entering
+        its attention mixes, after Engram (the DSpark target feature before its rounding, as the full forward's
+        ``forward_with_features`` captures it)."""
+        st = self.static
+        if len(params["layers"]) != len(self.layers):
+            raise ValueError(f"params: {len(params['layers'])} layers, the plan has {len(self.layers)}")
+        engram_ring, draft_rings = cache.engram, cache.draft
+        cache = {name: list(getattr(cache, name)) for name in ("window", "kv", "ik", "state")}
+        tokens = meta.num_tokens
+        m = st.hc_mult
+        x = embed_tokens(params["embed"], token_ids, dtype=jnp.dtype(st.dtype))
+        streams = jnp.broadcast_to(x[:, None, :], (tokens, m, x.shape[-1]))  # §6.2
+        carried_pre = jnp.broadcast_to(jax.nn.one_hot(0, m, dtype=jnp.float32), (tokens, m))
+        grams = None
+        if st.engram is not None:
+            grams, engram_ring = self._engram_ngrams(params, token_ids, engram_ring, meta)
+        cross = _StepCross()
+        captured: dict[int, jax.Array] = {}
+        for lp, spec, p in zip(self.layers, st.attention, params["layers"], strict=True):
+            if lp.has_engram:
+                assert grams is not None and st.engram is not None and lp.engram_slot is not None
+                rows = hash_rows(grams, st.engram, lp.engram_slot)
+                streams = rowwise(
+                    lambda s, r, p=p: engram_layer(p["engram"], s, r, eps=st.eps, numerics=st.numerics),
+                    tile,
+                    streams,
+                    rows,
+                )
+            if lp.layer in capture_layers:
+                captured[lp.layer] = rowwise(
+                    lambda s: jnp.mean(s.astype(jnp.float32), axis=-2), tile, streams
+                )
+            streams, carried_pre, cross, cache = self._attention_sublayer(
+                p, lp, spec, streams, carried_pre, cross, cache, meta, tile
+            )
+            streams, carried_pre = rowwise(
+                lambda s, c, p=p: self._ffn_sublayer(p, s, c), tile, streams, carried_pre
+            )
+        out = CompressedCache(
+            **{k: tuple(v) for k, v in cache.items()}, engram=engram_ring, draft=draft_rings
+        )
+        return streams, carried_pre, out, captured
+
+    def _collapse(self, params: Params, s: jax.Array, c: jax.Array) -> jax.Array:
+        """The LM head's input before the final norm (§6.5)."""
+        st = self.static
+        if st.hc_shifted:
+            return hc_collapse(s, c)  # the last FFN's own pre-mix
+        return hc_head(s, **params["hc_head"], hc_eps=st.hc_eps, norm_eps=st.eps)
 
     def forward(
         self,
@@ -352,47 +472,113 @@ class V41PagedModel(PagedModel):
     ) -> tuple[jax.Array, Any]:
         """Logits of each row's last token (or of the tokens ``logit_index``) and the updated caches
         (``PagedModel.forward``)."""
-        st = self.static
-        if len(params["layers"]) != len(self.layers):
-            raise ValueError(f"params: {len(params['layers'])} layers, the plan has {len(self.layers)}")
-        engram_ring = cache.engram
-        cache = {name: list(getattr(cache, name)) for name in ("window", "kv", "ik", "state")}
-        tokens = meta.num_tokens
-        m = st.hc_mult
-        x = embed_tokens(params["embed"], token_ids, dtype=jnp.dtype(st.dtype))
-        streams = jnp.broadcast_to(x[:, None, :], (tokens, m, x.shape[-1]))  # §6.2
-        carried_pre = jnp.broadcast_to(jax.nn.one_hot(0, m, dtype=jnp.float32), (tokens, m))
-        grams = None
-        if st.engram is not None:
-            grams, engram_ring = self._engram_ngrams(params, token_ids, engram_ring, meta)
-        cross = _StepCross()
-        for lp, spec, p in zip(self.layers, st.attention, params["layers"], strict=True):
-            if lp.has_engram:
-                assert grams is not None and st.engram is not None and lp.engram_slot is not None
-                rows = hash_rows(grams, st.engram, lp.engram_slot)
-                streams = rowwise(
-                    lambda s, r, p=p: engram_layer(p["engram"], s, r, eps=st.eps, numerics=st.numerics),
-                    tile,
-                    streams,
-                    rows,
-                )
-            streams, carried_pre, cross, cache = self._attention_sublayer(
-                p, lp, spec, streams, carried_pre, cross, cache, meta, tile
-            )
-            streams, carried_pre = rowwise(
-                lambda s, c, p=p: self._ffn_sublayer(p, s, c), tile, streams, carried_pre
-            )
+        streams, carried_pre, cache, _ = self._backbone(params, cache, token_ids, meta, tile)
         last = meta.last_token() if logit_index is None else logit_index
 
         def head(s: jax.Array, c: jax.Array) -> jax.Array:
-            if st.hc_shifted:
-                h = hc_collapse(s, c)  # §6.5: the last FFN's own pre-mix
-            else:
-                h = hc_head(s, **params["hc_head"], hc_eps=st.hc_eps, norm_eps=st.eps)
-            return lm_head(rms_norm(h, params["norm"], eps=st.eps), params["head"])
+            h = self._collapse(params, s, c)
+            return lm_head(rms_norm(h, params["norm"], eps=self.static.eps), params["head"])
 
         logits = rowwise(head, tile, streams[last], carried_pre[last])
-        return logits, CompressedCache(**{k: tuple(v) for k, v in cache.items()}, engram=engram_ring)
+        return logits, cache
+
+    # ---------------------------------------------------------------------------------------- DSpark
+
+    @property
+    def num_draft_layers(self) -> int:
+        return 0 if self.dspark is None else self.dspark.num_layers
+
+    @property
+    def draft_kind(self) -> str:
+        return "dspark"
+
+    def forward_hidden(
+        self, params: Any, cache: Any, token_ids: jax.Array, meta: RaggedMeta, *, tile: int | None
+    ) -> tuple[jax.Array, Any]:
+        """The LM head's input (pre-norm) of every token; with the drafter, every token's context keys
+        (target features -> ``main_proj`` / ``main_norm`` -> each draft layer's ``wkv`` / ``kv_norm``, RoPE at the
+        token's position, the mode's draft-key cast) are written to the draft layers' rings at its position."""
+        capture = () if self.dspark is None else self.dspark.target_layer_ids
+        streams, carried_pre, cache, captured = self._backbone(params, cache, token_ids, meta, tile, capture)
+        hidden = rowwise(lambda s, c: self._collapse(params, s, c), tile, streams, carried_pre)
+        if self.dspark is not None:
+            ds = self.dspark
+
+            def keys(phi: jax.Array, pos: jax.Array) -> tuple[jax.Array, ...]:
+                ctx = context_keys(params, phi[None], static=ds, positions=pos[None])
+                return tuple(k[0] for k in ctx.keys)
+
+            phi = target_features(captured, static=ds)  # [T, T·H]
+            new = rowwise(keys, tile, phi, meta.positions)  # one [T, D] per draft layer
+            rings = tuple(
+                ring_write(ring, k.astype(ring.dtype), meta, after=None)
+                for ring, k in zip(cache.draft, new, strict=True)
+            )
+            cache = cache._replace(draft=rings)
+        return hidden, cache
+
+    def head(self, params: Any, hidden: jax.Array, *, tile: int | None) -> jax.Array:
+        return rowwise(
+            lambda h: lm_head(rms_norm(h, params["norm"], eps=self.static.eps), params["head"]), tile, hidden
+        )
+
+    def dspark_block(
+        self,
+        params: Any,
+        cache: Any,
+        golden: jax.Array,
+        last_pos: jax.Array,
+        slots: jax.Array,
+        *,
+        tile: int | None,
+    ) -> jax.Array:
+        """The drafter's collapsed, pre-norm hidden ``h [S, B, H]`` of each row's block ``[g, noise × (B−1)]`` at
+        positions ``p+1 … p+B`` (``golden [S]`` = ``g``, ``last_pos [S]`` = ``p``, the last position the row
+        keeps), over the context keys of ``max(0, p−W+1) … p`` read from the slot's draft rings (``slots [S]``;
+        rows with a negative slot read nothing and their output is unused).
+
+        In batch-invariant mode (``tile``) the rows run one at a time, so a row's drafts do not depend on the
+        rest of its batch."""
+        ds = self.dspark
+        assert ds is not None
+        w, ring_len = self.window, self.window_ring
+        num_slots = cache.draft[0].shape[0]
+        pos = last_pos[:, None] - w + 1 + jnp.arange(w, dtype=jnp.int32)[None]  # [S, W]
+        safe = jnp.where(slots >= 0, slots, num_slots)[:, None]
+        ring_index = jnp.mod(pos, ring_len)
+        ctx = tuple(r.at[safe, ring_index].get(mode="fill", fill_value=0) for r in cache.draft)
+        noise = jnp.full((golden.shape[0], ds.block_size - 1), ds.noise_token_id, jnp.int32)
+        block = jnp.concatenate([golden[:, None].astype(jnp.int32), noise], axis=1)
+
+        def one(b: jax.Array, c: tuple[jax.Array, ...], cp: jax.Array, p: jax.Array) -> jax.Array:
+            return draft_hidden(params, ContextKeys(keys=c, positions=cp), b, p, static=ds)
+
+        positions = jnp.where(slots[:, None] >= 0, pos, -1)
+        if tile is None:
+            return one(block, ctx, positions, last_pos)
+        return jax.lax.map(
+            lambda t: one(t[0][None], tuple(x[None] for x in t[1]), t[2][None], t[3][None])[0],
+            (block, ctx, positions, last_pos),
+        )
+
+    def dspark_logits(
+        self, params: Any, h: jax.Array, prev: jax.Array, *, tile: int | None
+    ) -> tuple[jax.Array, jax.Array]:
+        """Row ``i`` of the block: ``(logits [S, V] float32, raw confidence [S])`` from its hidden ``h [S, H]``
+        and the token before it ``prev [S]`` (§11.2 step 4: the LM head on the normed hidden plus the Markov
+        term; the confidence head on ``[h ; markov_embed[prev]]`` before its temperature)."""
+        last = params["mtp"][-1]
+        eps = self.static.eps
+
+        def row(hh: jax.Array, pv: jax.Array) -> tuple[jax.Array, jax.Array]:
+            markov = embed_tokens(last["markov_embed"], pv)
+            logits = lm_head(rms_norm(hh, last["norm"], eps=eps), params["head"]) + lm_head(
+                markov, last["markov_head"]
+            )
+            raw = lm_head(jnp.concatenate([hh, markov.astype(hh.dtype)], axis=-1), last["confidence"])[..., 0]
+            return logits, raw
+
+        return rowwise(row, tile, h, prev)
 
     # ---------------------------------------------------------------------------------------- Engram
 
@@ -841,6 +1027,11 @@ def cache_storage(dtype: str, kv_cache_dtype: str = "auto") -> str:
     return key_cache_storage("deepseek_v41", dtype, kv_cache_dtype)
 
 
-def paged_model(model: Any, *, block_size: int, dtype: str, kv_cache_dtype: str = "auto") -> V41PagedModel:
-    """The engine's view of a loaded V4.1 model (``load_model``'s result)."""
-    return V41PagedModel.create(model, block_size=block_size, dtype=dtype, cache_dtype=kv_cache_dtype)
+def paged_model(
+    model: Any, *, block_size: int, dtype: str, kv_cache_dtype: str = "auto", draft_tokens: int = 0
+) -> V41PagedModel:
+    """The engine's view of a loaded V4.1 model (``load_model``'s result); ``draft_tokens > 0`` runs its DSpark
+    drafter in the step."""
+    return V41PagedModel.create(
+        model, block_size=block_size, dtype=dtype, cache_dtype=kv_cache_dtype, draft_tokens=draft_tokens
+    )
