@@ -59,6 +59,7 @@ __all__ = [
     "init_attention_state",
     "project_attention",
     "sink_attention",
+    "sink_attention_weights",
 ]
 
 SLIDING = "sliding_attention"
@@ -148,6 +149,26 @@ def sink_attention(
     denom = jnp.sum(probs, axis=-1) + jnp.exp(sink - peak)
     out = jnp.einsum("bsht,btd->bshd", probs, kv.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     return (out / denom[..., None]).astype(q.dtype)
+
+
+def sink_attention_weights(
+    q: jax.Array, kv: jax.Array, mask: jax.Array, sinks: jax.Array, *, scale: float
+) -> jax.Array:
+    """The weights :func:`sink_attention` gives each key: float32 ``[B, S, Hq, T]``, zero where masked.
+
+    A row sums to less than one by the sink's share, so ``einsum("bsht,btd->bshd", weights, kv)`` is the
+    attention output. For inspecting a layer's attention pattern (``taps`` of the V4.1 forward), not for the
+    forward itself.
+    """
+    logits = jnp.einsum(
+        "bshd,btd->bsht", q.astype(jnp.float32), kv.astype(jnp.float32), precision=lax.Precision.HIGHEST
+    ) * jnp.float32(scale)
+    logits = jnp.where(mask[:, :, None, :], logits, -jnp.inf)
+    sink = sinks.astype(jnp.float32)[None, None, :]
+    peak = jnp.maximum(jnp.max(logits, axis=-1), sink)
+    probs = jnp.exp(logits - peak[..., None])
+    denom = jnp.sum(probs, axis=-1) + jnp.exp(sink - peak)
+    return probs / denom[..., None]
 
 
 register_op(

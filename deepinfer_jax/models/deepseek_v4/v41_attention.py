@@ -247,7 +247,10 @@ def attention_prefix(
     keys, mask = window, jnp.broadcast_to(in_window, (b, s, s))
     if layer.is_compressed:
         ckeys, selected, cross = _compressed_part(p, x_hat, q_latent, positions, layer, spec, cross, numerics)
-        # For training objectives only (the indexer's distillation target); a no-op outside taps.collect().
+        keys = jnp.concatenate([keys, ckeys.astype(keys.dtype)], axis=1)
+        mask = jnp.concatenate([mask, selected], axis=2)
+        # For training objectives (the indexer's distillation target) and inspection (the attention pattern:
+        # window keys then compressed keys, the mask over them, the sinks); a no-op outside taps.collect().
         taps.record(
             "v41_attention",
             layer=layer.layer,
@@ -256,9 +259,11 @@ def attention_prefix(
             queries=q,
             compressed_keys=ckeys,
             pre_rope=cross.pre_rope,
+            keys=keys,
+            mask=mask,
+            sinks=p["sinks"],
+            scale=spec.head_dim**-0.5,
         )
-        keys = jnp.concatenate([keys, ckeys.astype(keys.dtype)], axis=1)
-        mask = jnp.concatenate([mask, selected], axis=2)
 
     out = get_op("v4_sink_attention")(q, keys, mask, p["sinks"], scale=spec.head_dim**-0.5)
     out = apply_rope(out, cos, sin, rope_dim=spec.rope_dim, inverse=True)
