@@ -5,7 +5,7 @@ each with its own seed and position, top-k = 1, a tiny top-p, top-p, top-k with 
 count state, ``logit_bias``, ``allowed_token_ids`` (all but one id banned), banned and stop ids, a grammar
 bitmask, an all-masked row and a NaN row (error rows), ties (greedy: lowest id; top-k cutting through equal
 probabilities: ascending ids) and teacher-forced rows, in a 40-id vocabulary over tiles of 16 (the last tile
-partial), plus 48 rows of random settings. The random numbers are checked to matter (other seeds draw other
+partial), plus 42 rows of random settings, half of them with logits on a 0.5 grid (many tied probabilities). The random numbers are checked to matter (other seeds draw other
 tokens, which the kernel then follows too), rows are checked alone against the batch, and the kernel must lower
 for CUDA to one Triton call. The op through the registry (``ops.backend = pallas_gpu`` with ``ops.interpret``)
 returns the reference's whole :class:`SampleOutput`, and its ``ascend`` implementation exports as one named call.
@@ -20,7 +20,6 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax import export
 
 from deepinfer_jax import ops, sampling
@@ -57,10 +56,13 @@ def _rows() -> tuple[list[SamplingParams], np.ndarray]:
         p(temperature=1.0, min_tokens=3, stop_token_ids=[12, 13]),  # EOS and stops masked
         p(temperature=2.0, golden_token_ids=[9]),  # teacher forcing
         p(temperature=1e-3),  # nearly greedy
+        p(temperature=1.0, top_k=1),  # top-k = 1 through a 4-way tie: the lowest id
+        *[p(temperature=3.0, min_p=0.6)] * 3,  # flat rows that min_p prunes hard
     ]
     logits[10, 5] = np.nan
-    logits[13, [4, 9, 22, 35]] = 6.0
+    logits[13, [4, 9, 22, 35]] = logits[18, [4, 9, 22, 35]] = 6.0
     logits[14, [8, 20, 33]] = 9.0
+    logits[32:] = np.round(logits[32:] * 2) / 2  # many equal probabilities: top-k/top-p cut through ties
     for _ in range(64 - len(rows)):
         rows.append(
             p(
@@ -120,7 +122,7 @@ def test_tokens_are_the_references():
     tokens = _check(logits, st, counts)
     ok = np.asarray(_kernel(logits, st, counts)[1])
     assert not ok[10] and not ok[11] and ok[np.r_[0:10, 12:64]].all()
-    assert tokens[8] == 17 and tokens[12] % 2 == 0 and tokens[14] == 8 and tokens[16] == 9
+    assert tokens[8] == 17 and tokens[12] % 2 == 0 and tokens[14] == 8 and tokens[16] == 9 and tokens[18] == 4
     assert tokens[13] in (4, 9, 22) and tokens[15] not in (EOS, 12, 13, *BANNED)
 
 
@@ -156,16 +158,15 @@ def _interpreted_selection():
     return ops.resolve_selection(cfg)
 
 
-@pytest.mark.parametrize(
-    ("batch_invariant", "mode", "sum_smaller"),
-    [(False, "raw_logprobs", False), (True, "processed_logprobs", True)],
-)
-def test_the_op_through_the_registry_returns_the_references_output(batch_invariant, mode, sum_smaller):
+def test_the_op_through_the_registry_returns_the_references_output():
+    """The batch-invariant row map, processed log-probabilities and ``sum_smaller`` (the reference's
+    ``processed_logits`` in jnp around the kernel); the engine's default (vmap, raw log-probabilities) is
+    tests/engine/test_engine_kernels.py's."""
     logits, st, counts = _case()
     selection = _interpreted_selection()
     chosen = selection.select("sample")
     assert chosen.backend == "pallas_gpu" and not chosen.fell_back
-    kw = dict(num_logprobs=3, batch_invariant=batch_invariant, logprobs_mode=mode, sum_smaller=sum_smaller)
+    kw = dict(num_logprobs=3, batch_invariant=True, logprobs_mode="processed_logprobs", sum_smaller=True)
     got = jax.jit(ops.bind_selection(functools.partial(sampling.sample, **kw), selection))(logits, st, counts)
     want = _reference(logits, st, counts, **kw)
     for name, a, b in zip(want._fields, got, want, strict=True):
