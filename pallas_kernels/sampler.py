@@ -56,6 +56,7 @@ _NEG_INF = float("-inf")
 _ONE_BITS = 0x3F800000  # float32 1.0: probabilities are non-negative floats, ordered like their bit patterns
 _PROB_ITERS = 30  # ceil(log2(_ONE_BITS + 1))
 _KEY_ITERS = 32  # the whole int32 range of the logits' keys
+_LIST_CHUNK = 16  # list entries compared per step (banned / allowed ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +147,17 @@ def _kernel(
     def tiles(fn: Any, init: Any) -> Any:
         return lax.fori_loop(0, s.tiles, fn, init)
 
+    def listed(ids: jax.Array, ref: Any, width: int) -> jax.Array:
+        """Whether each id is in the row's padded id list: ``[block_v, 16]`` comparisons per step, so a long
+        ``allowed_token_ids`` list never becomes one huge register tile."""
+        chunk = min(width, _LIST_CHUNK)
+
+        def body(j: jax.Array, hit: jax.Array) -> jax.Array:
+            entries = ref[r, j * chunk + jnp.arange(chunk, dtype=jnp.int32)]
+            return jnp.maximum(hit, jnp.max(jnp.where(ids[:, None] == entries[None, :], 1, 0), axis=1))
+
+        return lax.fori_loop(0, width // chunk, body, jnp.zeros((bv,), jnp.int32)) > 0
+
     def edited(t: jax.Array, force_cut: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, ...]:
         """Tile ``t``: ids, in-vocabulary lanes, raw logits and the edited logits (-inf outside the vocabulary)."""
         ids = t * bv + lane
@@ -162,12 +174,9 @@ def _kernel(
         if s.has_counts:
             x = apply_penalties(x, counts_ref[r, col], rep_ref[r], pres_ref[r], freq_ref[r])
         if s.k_mask:
-            banned = masked_ref[r, jnp.arange(s.k_mask, dtype=jnp.int32)]
-            x = jnp.where(jnp.max(jnp.where(ids[:, None] == banned[None, :], 1, 0), axis=1) > 0, _NEG_INF, x)
+            x = jnp.where(listed(ids, masked_ref, s.k_mask), _NEG_INF, x)
         if s.k_allowed:
-            allowed = allowed_ref[r, jnp.arange(s.k_allowed, dtype=jnp.int32)]
-            listed = jnp.max(jnp.where(ids[:, None] == allowed[None, :], 1, 0), axis=1) > 0
-            x = jnp.where((allowed_ref[r, 0] < 0) | listed, x, _NEG_INF)
+            x = jnp.where((allowed_ref[r, 0] < 0) | listed(ids, allowed_ref, s.k_allowed), x, _NEG_INF)
         if s.words:
             words = bitmask_ref[r, jnp.minimum(ids // 32, s.words - 1)]
             x = jnp.where(((words >> (ids % 32)) & 1) != 0, x, _NEG_INF)

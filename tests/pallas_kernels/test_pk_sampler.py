@@ -5,7 +5,7 @@ each with its own seed and position, top-k = 1, a tiny top-p, top-p, top-k with 
 count state, ``logit_bias``, ``allowed_token_ids`` (all but one id banned), banned and stop ids, a grammar
 bitmask, an all-masked row and a NaN row (error rows), ties (greedy: lowest id; top-k cutting through equal
 probabilities: ascending ids) and teacher-forced rows, in a 40-id vocabulary over tiles of 16 (the last tile
-partial), plus 42 rows of random settings, half of them with logits on a 0.5 grid (many tied probabilities). The random numbers are checked to matter (other seeds draw other
+partial), plus 41 rows of random settings, half of them with logits on a 0.5 grid (many tied probabilities). The random numbers are checked to matter (other seeds draw other
 tokens, which the kernel then follows too), rows are checked alone against the batch, and the kernel must lower
 for CUDA to one Triton call. The op through the registry (``ops.backend = pallas_gpu`` with ``ops.interpret``)
 returns the reference's whole :class:`SampleOutput`, and its ``ascend`` implementation exports as one named call.
@@ -58,6 +58,9 @@ def _rows() -> tuple[list[SamplingParams], np.ndarray]:
         p(temperature=1e-3),  # nearly greedy
         p(temperature=1.0, top_k=1),  # top-k = 1 through a 4-way tie: the lowest id
         *[p(temperature=3.0, min_p=0.6)] * 3,  # flat rows that min_p prunes hard
+        p(
+            temperature=1.0, top_p=0.7, allowed_token_ids=list(range(1, V, 2))
+        ),  # 20 allowed ids: 2 list chunks
     ]
     logits[10, 5] = np.nan
     logits[13, [4, 9, 22, 35]] = logits[18, [4, 9, 22, 35]] = 6.0
@@ -123,6 +126,7 @@ def test_tokens_are_the_references():
     ok = np.asarray(_kernel(logits, st, counts)[1])
     assert not ok[10] and not ok[11] and ok[np.r_[0:10, 12:64]].all()
     assert tokens[8] == 17 and tokens[12] % 2 == 0 and tokens[14] == 8 and tokens[16] == 9 and tokens[18] == 4
+    assert tokens[22] % 2 == 1
     assert tokens[13] in (4, 9, 22) and tokens[15] not in (EOS, 12, 13, *BANNED)
 
 
