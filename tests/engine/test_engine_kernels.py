@@ -130,10 +130,8 @@ def test_interpreted_sampler_kernel_draws_the_reference_engines_tokens():
     top-p, min_p, penalties) and a greedy one get exactly the tokens and logprobs of the reference engine, whose
     logits are bitwise the same (every other op runs its reference in both)."""
     params = [
-        SamplingParams(
-            temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.3, presence_penalty=0.4, seed=11
-        ),
-        SamplingParams(temperature=1.2, min_p=0.02, frequency_penalty=0.5, seed=12),
+        SamplingParams(temperature=0.8, top_p=0.5, repetition_penalty=1.3, presence_penalty=0.4, seed=11),
+        SamplingParams(temperature=1.2, top_k=5, min_p=0.3, frequency_penalty=0.5, seed=12),
         SamplingParams(temperature=0.0),
     ]
     params = [p.replace(max_tokens=2 * NEW_TOKENS, ignore_eos=True, logprobs=1) for p in params]
