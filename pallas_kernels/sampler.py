@@ -31,8 +31,10 @@ sums the whole row (and takes the top-p mass from a cumsum over the sorted row).
 token can differ only when the random target falls within those few ulps of a weight boundary or top-p
 lies within them of a partial mass. On a GPU ``exp`` is also Triton's rather than XLA's.
 
-Cost of a sampled, filtering row: ``3 + 31`` passes over its logits (plus ``ceil(log2 V)`` when probabilities
-tie at the cut), ``+ 32`` (and the tie search) with ``force_top_k``; a greedy row costs one pass.
+Cost, in passes over a row's logits (each reloads the logits and counts): a greedy row 1; a sampled row 4; a
+sampled row that filters 36 (30 bisection steps), plus ``ceil(log2 V)`` when probabilities tie at the cut;
+``force_top_k`` adds 33 (and its own tie search) to every row. The banned and allowed id lists are compared
+16 entries at a time.
 """
 
 from __future__ import annotations

@@ -212,3 +212,9 @@ def test_exports_for_ascend_as_one_named_call():
     assert re.findall(r"stablehlo\.custom_call @([\w.$]+)\(", text) == [target]
     config = text[text.index(f"@{target}(") :].split("\n")[0]
     assert "num_logprobs = 2" in config and "force_top_k = 3" in config
+    # elsewhere the named call runs the reference, the SamplingTensors fields in their places
+    logits, st_, counts = _case()
+    got = jax.jit(op)(logits, st_, counts)
+    want = _reference(logits, st_, counts, num_logprobs=2, force_top_k=3)
+    for name, a, b in zip(want._fields, got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
