@@ -31,7 +31,7 @@ sums the whole row (and takes the top-p mass from a cumsum over the sorted row).
 token can differ only when the random target falls within those few ulps of a weight boundary or top-p
 lies within them of a partial mass. On a GPU ``exp`` is also Triton's rather than XLA's.
 
-Cost, in passes over a row's logits (each reloads the logits and counts): a greedy row 1; a sampled row 4; a
+Cost, in passes over a row's logits (each reloads the logits, and the counts of a row with a penalty): a greedy row 1; a sampled row 4; a
 sampled row that filters 36 (30 bisection steps), plus ``ceil(log2 V)`` when probabilities tie at the cut;
 ``force_top_k`` adds 33 (and its own tie search) to every row. The banned and allowed id lists are compared
 16 entries at a time.
@@ -174,7 +174,13 @@ def _kernel(
 
             x = lax.fori_loop(0, s.k_bias, add, x)
         if s.has_counts:
-            x = apply_penalties(x, counts_ref[r, col], rep_ref[r], pres_ref[r], freq_ref[r])
+            # neutral penalties are exact identities: a row without any reads no counts
+            rep, pres, freq = rep_ref[r], pres_ref[r], freq_ref[r]
+            x = _when(
+                (rep != 1.0) | (pres != 0.0) | (freq != 0.0),
+                lambda x=x: apply_penalties(x, counts_ref[r, col], rep, pres, freq),
+                x,
+            )
         if s.k_mask:
             x = jnp.where(listed(ids, masked_ref, s.k_mask), _NEG_INF, x)
         if s.k_allowed:
