@@ -12,7 +12,9 @@ kernel and of the XLA baseline measured in the same process, with their ratio (>
 Attention group (``--group attention``): ``v4_sparse_attention`` (window MXFP8 records + selected FP4 records +
 sinks), ``v4_indexer_topk`` (MXFP4 key pages, streaming top-k), ``v4_compress_store``, ``paged_mla_attention``
 (V3 shape, bf16 and FP8 latent caches) and ``mhc_sinkhorn``, each against its reference op jitted by XLA, in a
-decode case (64 sequences at 128K context, V3 at 32K) and a prefill-chunk case (4096 tokens of one sequence). For
+decode case (64 sequences at 128K context, V3 at 32K) and a prefill-chunk case (4096 tokens of one sequence); and,
+in the decode case, the fused sampler ``sample_tokens`` (64 rows over V3's 129280-id vocabulary) against op
+``sample``'s reference tokens. For
 the decode attention and indexer kernels the line also gives the bytes the kernel must read and write and the
 achieved bandwidth, as a fraction of ``--peak_gbps`` (default: the device's HBM peak from a small table, else 0
 = not reported).
@@ -67,6 +69,7 @@ ATTN_FULL = {
     "mla_rank": 512,
     "mla_rope": 64,
     "mla_block": 64,
+    "vocab": 129280,
     "cases": {"decode": (64, 128 * 1024, 32 * 1024), "prefill": (4096, 8192, 8192)},
 }
 ATTN_SMOKE = {
@@ -82,6 +85,7 @@ ATTN_SMOKE = {
     "mla_rank": 64,
     "mla_rope": 16,
     "mla_block": 8,
+    "vocab": 300,
     "cases": {"decode": (3, 48, 40), "prefill": (6, 24, 24)},
 }
 
@@ -348,7 +352,43 @@ def run_attention(
         err = _rel_err(kern(logits), ref(logits))
         ok &= err <= tol
         _report("mhc_sinkhorn", case, err, _time(kern, (logits,), reps), _time(ref, (logits,), reps))
+
+        if decode:  # the fused sampler: one row per decoding sequence
+            ok &= _bench_sampler(seqs, shapes["vocab"], key, interpret=interpret, reps=reps, tol=tol)
     return ok
+
+
+def _bench_sampler(rows: int, vocab: int, key: jax.Array, *, interpret: bool, reps: int, tol: float) -> bool:
+    """``sample_tokens`` against op ``sample``'s reference tokens: greedy, top-k, top-p and min_p rows with
+    penalties. err = the fraction of rows whose token differs (the tests require 0 in interpret mode)."""
+    from deepinfer_jax.engine.params import SamplingParams
+    from deepinfer_jax.sampling import SamplingTensors, sample
+    from pallas_kernels.sampler import sample_tokens
+
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=50, repetition_penalty=1.1),
+        SamplingParams(temperature=1.0, top_p=0.9, presence_penalty=0.5),
+        SamplingParams(temperature=1.0, min_p=0.05, top_k=20, top_p=0.95, frequency_penalty=0.3),
+    ]
+    params = [kinds[i % len(kinds)] for i in range(rows)]
+    st = SamplingTensors.build(params, list(range(rows)), [1000 + i for i in range(rows)], vocab)
+    k1, k2 = jax.random.split(key)
+    logits = jax.random.normal(k1, (rows, vocab), jnp.float32) * 4
+    counts = jax.random.randint(k2, (rows, vocab), 0, 2, jnp.int32) * (jnp.arange(vocab) % 50 == 0)
+    kern = jax.jit(lambda x, c: sample_tokens(x, st, c, interpret=interpret)[0])
+    ref = jax.jit(lambda x, c: sample(x, st, c, backend="reference").tokens)
+    args = (logits, counts)
+    err = float(jnp.mean((kern(*args) != ref(*args)).astype(jnp.float32)))
+    _report(
+        "sample_tokens",
+        "decode",
+        err,
+        _time(kern, args, reps),
+        _time(ref, args, reps),
+        " (err = token mismatches)",
+    )
+    return err <= tol
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,7 @@ I32, BF16, F32, U8 = jnp.int32, jnp.bfloat16, jnp.float32, jnp.uint8
 
 
 def _cases() -> dict[str, tuple[Callable[..., Any], tuple[Any, ...]]]:
+    from deepinfer_jax.sampling import SamplingTensors
     from pallas_kernels import (
         compress_store,
         fp8_block_linear,
@@ -36,8 +37,14 @@ def _cases() -> dict[str, tuple[Callable[..., Any], tuple[Any, ...]]]:
         mhc,
         mxfp4_grouped_linear,
         paged_mla,
+        sampler,
         sparse_attention,
         swiglu,
+    )
+
+    empty = SamplingTensors.build([], [], [], 1000, num_rows=4, mask_width=4)
+    fields = SamplingTensors(*(S(a.shape, a.dtype) for a in empty))._replace(
+        allowed_ids=S((4, 32), I32), token_bitmask=S((4, 32), I32)
     )
 
     def mla(ql, qp, c, ts, p, bt, cx):
@@ -105,6 +112,10 @@ def _cases() -> dict[str, tuple[Callable[..., Any], tuple[Any, ...]]]:
             (S((64, 68), U8), S((8, 128), F32), S((8,), I32)),
         ),
         "mhc_sinkhorn": (lambda x: mhc.mhc_sinkhorn(x, iters=20, eps=1e-6), (S((64, 4, 4), F32),)),
+        "sample_tokens": (
+            lambda x, st, c: sampler.sample_tokens(x, st, c, force_top_k=8),
+            (S((4, 1000), F32), fields, S((4, 1000), I32)),
+        ),
         "fp8_block_linear": (
             lambda x, w, s: fp8_block_linear.fp8_block_linear(x, w, s, activation_cast="mxfp8"),
             (S((8, 256), BF16), S((128, 256), U8), S((4, 8), U8)),

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from deepinfer_jax.ops.registry import register_op, select
+from deepinfer_jax.ops.registry import register_impl, register_op, select
 from deepinfer_jax.sampling.counts import COUNT_MASK, PROMPT_FLAG
 from deepinfer_jax.sampling.rng import categorical_from_weights, fixed_point_weights, random_bits
 from deepinfer_jax.sampling.tensors import SamplingTensors
@@ -387,6 +387,16 @@ register_op(
     _sample_reference,
     doc="Logit pipeline (penalties, masks, temperature, min_p, top-k/top-p) and position-keyed sampling",
 )
+# The token from one fused Pallas kernel, the reported values in jnp around it; the reference as one named
+# Ascend call (deepinfer_jax/sampling/fused.py).
+register_impl(
+    "sample",
+    "pallas_gpu",
+    "deepinfer_jax.sampling.fused:sample_pallas",
+    platforms=("gpu",),
+    reason="the fused Pallas Triton sampler needs the pallas_kernels package",
+)
+register_impl("sample", "ascend", "deepinfer_jax.sampling.fused:sample_ascend", platforms=("ascend",))
 
 
 def sample(

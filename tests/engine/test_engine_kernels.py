@@ -4,7 +4,9 @@
   step with the Pallas interpreter on the CPU. Its greedy tokens equal greedy decoding by repeated full forwards
   of the model (as in tests/engine/test_engine_families.py: the argmax of one causal full forward over the
   generated sequence at every generated position), and its logprobs the full forward's log-softmax. A spy on
-  ``pl.pallas_call`` records which kernels the step traced, so a call site that still ran a reference fails.
+  ``pl.pallas_call`` records which kernels the step traced, so a call site that still ran a reference fails (the
+  fused sampler ``sample_tokens`` included). With op ``sample`` alone on its interpreted kernel, seeded sampled
+  requests get exactly the reference engine's tokens and logprobs.
 * **Exported.** The engine's step (:func:`deepinfer_jax.engine.step.step` over a plan from
   :func:`deepinfer_jax.engine.plan.build_plan`, lowered, never run) in production precision -- bfloat16 weights,
   the record caches (MXFP8 window, FP4 compressed and MXFP4 indexer keys for V4/V4.1, the FP8 latent for V3) --
@@ -98,9 +100,15 @@ def _interpreted(name: str):
 def test_interpreted_kernels_give_the_reference_greedy_tokens(name):
     llm, outs, traced = _interpreted(name)
     chosen = llm.op_selection.backends()
-    for op in ("paged_mla_attention", "v4_sparse_attention", "v4_indexer_topk", "v4_compress_store"):
+    for op in (
+        "paged_mla_attention",
+        "v4_sparse_attention",
+        "v4_indexer_topk",
+        "v4_compress_store",
+        "sample",
+    ):
         assert chosen[op] == "pallas_gpu", op
-    assert ATTENTION_KERNELS[name] <= set(traced), traced
+    assert ATTENTION_KERNELS[name] | {"sample_tokens"} <= set(traced), traced
     model = deepinfer_jax.load_model(name, "float32")
     sequences = [p + o.outputs[0].token_ids for p, o in zip(_prompts(), outs, strict=True)]
     ids = np.zeros((len(sequences), REF_LEN), np.int32)
@@ -115,6 +123,31 @@ def test_interpreted_kernels_give_the_reference_greedy_tokens(name):
         logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
         for k, token in enumerate(got.token_ids):
             assert abs(got.logprobs[k][token].logprob - logp[k, token]) < LOGPROB_TOL, (i, k)
+
+
+def test_interpreted_sampler_kernel_draws_the_reference_engines_tokens():
+    """Op ``sample`` alone on the interpreted fused kernel (``ops.overrides``): seeded sampled requests (top-k,
+    top-p, min_p, penalties) and a greedy one get exactly the tokens and logprobs of the reference engine, whose
+    logits are bitwise the same (every other op runs its reference in both)."""
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.5, repetition_penalty=1.3, presence_penalty=0.4, seed=11),
+        SamplingParams(temperature=1.2, top_k=5, min_p=0.3, frequency_penalty=0.5, seed=12),
+        SamplingParams(temperature=0.0),
+    ]
+    params = [p.replace(max_tokens=2 * NEW_TOKENS, ignore_eos=True, logprobs=1) for p in params]
+    overrides = {"ops.overrides": {"sample": "pallas_gpu"}, "ops.interpret": True}
+    kernel = LLM("tiny-v3", dtype="float32", **ENGINE, **overrides)
+    assert kernel.op_selection.backends()["sample"] == "pallas_gpu"
+    reference = LLM("tiny-v3", dtype="float32", **ENGINE)
+    assert reference.op_selection.backends()["sample"] == "reference"
+    outs = [
+        llm.generate(prompt_token_ids=_prompts(), sampling_params=params, use_tqdm=False)
+        for llm in (kernel, reference)
+    ]
+    for got, want in zip(*outs, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.outputs[0].logprobs == want.outputs[0].logprobs
+    assert len({tuple(o.outputs[0].token_ids) for o in outs[0]}) == 3
 
 
 _ENGINE_SELECTION = """
@@ -249,13 +282,14 @@ def _named_calls(text: str) -> collections.Counter[str]:
 
 
 def _expected(name: str) -> dict[str, int]:
-    """Calls of each attention-side op per step, from the model's layer plan."""
+    """Calls of each attention-side op per step, from the model's layer plan, and the sampler's one call."""
     model = _production(name).executor.model
     if name == "tiny-v3":
-        return {"paged_mla_attention": len(_production(name).executor.params["layers"])}
+        return {"paged_mla_attention": len(_production(name).executor.params["layers"]), "sample": 1}
     if name == "tiny-v4":
         kinds = [s.kind for s in model.plan.attention]
         return {
+            "sample": 1,
             # window-only and CSA layers; HCA layers attend to every visible entry by the page walk
             "v4_sparse_attention": sum(k in (SLIDING, CSA) for k in kinds),
             "v4_indexer_topk": kinds.count(CSA),
@@ -264,6 +298,7 @@ def _expected(name: str) -> dict[str, int]:
         }
     layers = model.layers
     return {
+        "sample": 1,
         "v4_sparse_attention": sum(not lp.is_compressed or lp.uses_indexer for lp in layers),
         "v4_indexer_topk": sum(lp.is_index_source and not lp.is_candidate_source for lp in layers),
         # the candidate source scores whole rows (its Cand(p) needs the block maxima): the dense scores op
@@ -284,6 +319,7 @@ _KERNEL_OF = {
     "v4_compress_store": ("v4_compress_store", True),
     "kv_store_records": ("store_kv_records", True),
     "mhc_sinkhorn": ("mhc_sinkhorn", False),
+    "sample": ("sample_tokens", False),
 }
 
 

@@ -33,6 +33,7 @@ def test_bench_smoke_runs_and_checks_every_kernel():
         "paged_mla[bf16]",
         "paged_mla[fp8]",
         "mhc_sinkhorn",
+        "sample_tokens",
     ]
     # decode attention lines report the bytes moved and the achieved bandwidth
     assert all(
