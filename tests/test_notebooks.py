@@ -26,6 +26,7 @@ NOTEBOOKS = ROOT / "notebooks"
 FIGURES = {
     "01_quick_start.ipynb": 1,  # KV record sizes of V4.1-Flash
     "02_model_anatomy.ipynb": 4,  # layer plan, attention heat map, indexer top-k, cache-format errors
+    "03_speculative_decoding.ipynb": 2,  # acceptance by draft position; verified / accepted / tokens/s vs concurrency
     "04_parallelism.ipynb": 1,  # expert load per device before and after EPLB, measured imbalance
     "05_structured_outputs_and_serving.ipynb": 1,  # a streamed answer's chunk arrivals
     "06_sweeps.ipynb": 1,  # the sweep's Pareto plot

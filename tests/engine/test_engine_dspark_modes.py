@@ -1,0 +1,126 @@
+"""V4.1's DSpark drafter in the engine's other modes: production precision with batch invariance, the
+``(dp, ep)`` mesh, and variable-length verification (docs/speculative.md).
+
+The float32 one-device checks (drafts equal to the full-prefix drafter, greedy equality with preemption,
+acceptance patterns, stops) are in test_engine_dspark.py; this file compares with the same plain references:
+
+* bfloat16, ``batch_invariant=True``, ``k = 4``: a seeded sampled request and a greedy one give bitwise the same
+  tokens and logprobs alone and in the batch; greedy tokens equal the plain bfloat16 engine's except where
+  verification's 1 + k rows and plain decoding's one row round differently at a near-tie (the margin of every
+  difference is printed and bounded);
+* ``dp = 2 x ep = 4`` with the natural draft length: the one-device plain engine's greedy tokens;
+* variable length (``k = 4``): the latency curve is measured, fewer drafts than ``k`` are verified (the
+  confidence head of random weights is unsure), the greedy tokens are the plain engine's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from deepinfer_jax.engine.llm import LLM
+from deepinfer_jax.engine.params import SamplingParams
+
+BLOCKS = 6
+_SMALL = {"cache.block_size": 16, "cache.num_blocks": BLOCKS}
+
+
+def _engine(k: int, *, dtype: str = "float32", dp: int = 1, ep: int = 1, **kw) -> LLM:
+    devices = dp * ep
+    return LLM(
+        "tiny-v41",
+        dtype=dtype,
+        num_draft_tokens=k,
+        max_num_seqs=2 * devices,
+        max_num_batched_tokens=16 * devices,
+        data_parallel_size=dp,
+        expert_parallel_size=ep,
+        kv_cache_memory="64MiB",
+        **{**_SMALL, "cache.num_blocks": BLOCKS * devices, **kw},
+    )
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 500, n).tolist() for n in (1, 5, 17, 40, 9, 23)]
+
+
+def _greedy(i: int, **kw) -> SamplingParams:
+    args = {"temperature": 0.0, "max_tokens": 8 + (i * 3) % 9, "ignore_eos": True, "logprobs": 2, **kw}
+    return SamplingParams(**args)
+
+
+def _run(llm: LLM, prompts, params):
+    return llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+
+
+def _logprobs(out) -> list[float]:
+    return [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@functools.cache
+def _plain_f32() -> list[list[int]]:
+    prompts = _prompts()
+    return _tokens(_run(_engine(0), prompts, [_greedy(i) for i in range(len(prompts))]))
+
+
+def test_bfloat16_batch_invariant_drafts():
+    """bfloat16 with batch invariance and 4 drafts: greedy tokens and logprobs bitwise the plain batch-invariant
+    bfloat16 engine's (every token's computation runs in fixed tiles, so a verify row's logits are the plain
+    decode row's); a seeded sampled request and a greedy one bitwise the same alone and in the batch."""
+    prompts = _prompts()
+    # A cache where nothing is preempted: a recomputed request samples its next token fresh where the run
+    # without preemption verified drafts (the same distribution, not the same sample; docs/speculative.md).
+    roomy = {"batch_invariant": True, "cache.num_blocks": 16}
+    greedy = [_greedy(i, logprobs=5) for i in range(len(prompts))]
+    plain = _run(_engine(0, dtype="bfloat16", **roomy), prompts, greedy)
+    llm = _engine(4, dtype="bfloat16", **roomy)
+    spec = _run(llm, prompts, greedy)
+    for a, b in zip(plain, spec, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert _logprobs(b) == _logprobs(a)
+    assert llm.last_stats.spec_rows > 0
+    params = list(greedy)
+    params[2] = SamplingParams(
+        temperature=0.9, top_k=50, max_tokens=10, seq_seed=7, logprobs=5, ignore_eos=True
+    )
+    batch = _run(llm, prompts, params)
+    assert not any(o.metrics.num_preemptions for o in batch)
+    for i in (2, 3):
+        alone = _run(llm, [prompts[i]], [params[i]])[0]
+        assert alone.outputs[0].token_ids == batch[i].outputs[0].token_ids
+        assert _logprobs(alone) == _logprobs(batch[i])
+
+
+def test_mesh_natural_drafts_equal_one_device():
+    """dp = 2 x ep = 4, the natural draft length (4): the one-device plain engine's greedy tokens."""
+    prompts = _prompts()
+    llm = _engine(4, dp=2, ep=4)
+    outs = _run(llm, prompts, [_greedy(i) for i in range(len(prompts))])
+    assert _tokens(outs) == _plain_f32()
+    stats = llm.last_stats
+    assert stats.spec_rows > 0 and len(stats.verified_at) == 4
+
+
+def test_variable_length_verification(tmp_path):
+    """Variable length with 4 drafts: the curve is measured and cached, fewer than 4 drafts are verified per
+    decode row, the greedy tokens are the plain engine's; batch invariance refuses it."""
+    prompts = _prompts()
+    llm = _engine(
+        4, speculative_variable_length=True, **{"speculative.latency_cache_dir": str(tmp_path)}
+    )
+    curve = llm.latency_curve
+    assert curve is not None and all(ms > 0 for _, ms in curve.points)
+    outs = _run(llm, prompts, [_greedy(i) for i in range(len(prompts))])
+    assert _tokens(outs) == _plain_f32()
+    stats = llm.last_stats
+    assert stats.spec_rows > 0 and stats.verified_per_step < 4
+    assert len(list(tmp_path.iterdir())) == 1
+    with pytest.raises(ValueError, match=r"variable_length with ops\.batch_invariant"):
+        LLM("tiny-v41", num_draft_tokens=4, batch_invariant=True, speculative_variable_length=True)
