@@ -112,9 +112,7 @@ def test_variable_length_verification(tmp_path):
     """Variable length with 4 drafts: the curve is measured and cached, fewer than 4 drafts are verified per
     decode row, the greedy tokens are the plain engine's; batch invariance refuses it."""
     prompts = _prompts()
-    llm = _engine(
-        4, speculative_variable_length=True, **{"speculative.latency_cache_dir": str(tmp_path)}
-    )
+    llm = _engine(4, speculative_variable_length=True, **{"speculative.latency_cache_dir": str(tmp_path)})
     curve = llm.latency_curve
     assert curve is not None and all(ms > 0 for _, ms in curve.points)
     outs = _run(llm, prompts, [_greedy(i) for i in range(len(prompts))])
