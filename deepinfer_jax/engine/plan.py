@@ -134,6 +134,9 @@ class ScheduledRow:
     pool_drafts: tuple[int, ...] = ()
     """A constrained request's drafts as the host knows them (the pool's, from its last processed step): the
     plan fills one grammar mask per verify row from them."""
+    resplit: bool = False
+    """Variable-length verification: the planner split this row's drafts and the device may split them again
+    with fresher confidences (``SpecInputs.realloc``)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -220,6 +223,9 @@ class SpecInputs(NamedTuple):
       verify_masks: int32 ``[D, S, K + 1, W]`` the grammar mask of every verify row (row ``j`` after ``j``
         drafts, :meth:`~deepinfer_jax.engine.grammar.RequestGrammar.draft_masks`), or ``None`` when the step has
         no grammar mask; rows without drafts repeat their one mask.
+      realloc: bool ``[D, S]`` rows whose verify length the device may split again with fresher confidences
+        (variable-length verification: the rows the planner split), or ``None`` (fixed length: the step compiles
+        without the re-split).
     """
 
     num_drafts: Any
@@ -227,6 +233,7 @@ class SpecInputs(NamedTuple):
     next_ids: Any
     forced: Any = None
     verify_masks: Any = None
+    realloc: Any = None
 
 
 class CacheCopies(NamedTuple):
@@ -457,6 +464,7 @@ def build_plan(
     banned_token_ids: Sequence[int] = (),
     num_draft_tokens: int = 0,
     force_drafts: bool = False,
+    device_resplit: bool = False,
 ) -> StepPlan:
     """The :class:`StepPlan` of one step: every device's batch (``None`` = nothing to run) in one padded plan.
 
@@ -485,6 +493,7 @@ def build_plan(
     shifted = np.zeros((d, s), np.bool_)
     next_ids = np.full((d, s), -1, np.int32)
     forced = np.full((d, s, num_draft_tokens), -1, np.int32) if speculative and force_drafts else None
+    realloc = np.zeros((d, s), np.bool_) if speculative and device_resplit else None
     params, seeds, sample_pos, output_lens, row_index, extra = [], [], [], [], [], []
     grammars: list[tuple[int, Any]] = []  # (row, the request's RequestGrammar) of sampled constrained rows
     wanted = prompt_wanted = 0
@@ -507,6 +516,8 @@ def build_plan(
                 shifted[dev, i] = row.shifted
                 if forced is not None:
                     forced[dev, i, : len(row.forced)] = row.forced
+                if realloc is not None:
+                    realloc[dev, i] = row.resplit
                 if not row.sample:
                     after = req.tokens(row.start + row.length, row.start + row.length + 1)
                     next_ids[dev, i] = int(after[0]) if len(after) else -1
@@ -602,7 +613,7 @@ def build_plan(
         sampling,
         targets,
         copies,
-        SpecInputs(num_drafts, shifted, next_ids, forced, verify_masks) if speculative else None,
+        SpecInputs(num_drafts, shifted, next_ids, forced, verify_masks, realloc) if speculative else None,
     )
     return StepPlan(
         inputs,

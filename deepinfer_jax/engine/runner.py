@@ -288,6 +288,7 @@ class EngineRunner:
             confidences=host.confidences,
             confidence_error=host.confidence_error,
             drafts=host.drafts,
+            num_drafts=host.num_drafts,
         )
         if self.balancer is not None and out.expert_counts is not None:
             counts = _to_host(out.expert_counts)

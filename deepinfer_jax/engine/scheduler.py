@@ -971,7 +971,12 @@ class DeviceScheduler:
         for i, nd in zip(spec, drafts, strict=True):
             row = rows[i]
             tokens_left += row.num_drafts - nd
-            out[i] = dataclasses.replace(row, length=row.length - row.num_drafts + nd, num_drafts=nd)
+            # The device splits these rows' total again with the pool's fresher confidences (SpecInputs.realloc),
+            # except a constrained row's: its grammar masks are built here for exactly nd drafts.
+            resplit = getattr(row.request, "grammar", None) is None
+            out[i] = dataclasses.replace(
+                row, length=row.length - row.num_drafts + nd, num_drafts=nd, resplit=resplit
+            )
         return out, tokens_left
 
     def _preempt(self, req: Request) -> None:
@@ -1040,6 +1045,7 @@ class DeviceScheduler:
         confidences: Any = None,
         confidence_error: Any = None,
         drafts: Any = None,
+        num_drafts: Any = None,
     ) -> list[RequestOutput]:
         """Take the sampled tokens of ``batch`` (the oldest unprocessed one), apply stops, free what finished.
 
@@ -1099,7 +1105,9 @@ class DeviceScheduler:
                 drafts is not None and req.grammar is not None
             ):  # only constrained rows verify host-known drafts
                 req.spec_drafts = tuple(int(t) for t in drafts[i] if t >= 0)
-            if confidence_error is not None and row.num_drafts:
+            # The drafts the row verified: the device's split (variable length re-splits on the device), else ours.
+            verified = row.num_drafts if num_drafts is None else int(num_drafts[i])
+            if confidence_error is not None and verified:
                 self.stats.confidence_error_sum += float(confidence_error[i])
             if confidences is not None and self.verify_planner is not None:
                 req.spec_rates_prev = req.spec_rates
@@ -1107,7 +1115,7 @@ class DeviceScheduler:
             if accepted is None:
                 self._append_token(req, int(tokens[i]), i, arrays, now)
             else:
-                self._append_run(req, row, tokens[i], int(accepted[i]), i, arrays, now)
+                self._append_run(req, row, tokens[i], int(accepted[i]), i, arrays, now, verified)
             if req.status is RequestStatus.FINISHED:
                 done = self._final_output(req)
                 if done is not None:
@@ -1125,11 +1133,13 @@ class DeviceScheduler:
         i: int,
         arrays: dict[str, np.ndarray | None],
         now: float,
+        verified: int | None = None,
     ) -> None:
         """A speculative row's tokens: its ``accepted`` drafts, then the bonus token, each through the stop
-        checks in order; the tokens after a stop are dropped."""
-        nd = row.num_drafts
-        req.spec_slack -= nd
+        checks in order; the tokens after a stop are dropped. ``verified``: the drafts the row verified on the
+        device (default: the planned ``row.num_drafts``)."""
+        nd = row.num_drafts if verified is None else verified
+        req.spec_slack -= row.num_drafts
         accepted = min(max(accepted, 0), nd)
         if row.decode:  # every decode row of a speculative engine, also one left without drafts
             st = self.stats
@@ -1537,6 +1547,7 @@ class Scheduler:
             banned_token_ids=self.banned_token_ids,
             num_draft_tokens=self.num_draft_tokens,
             force_drafts=self.force_drafts,
+            device_resplit=self.devices[0].verify_planner is not None,
         )
         if plan.mask_seconds:
             self.devices[0].stats.num_masked_steps += 1

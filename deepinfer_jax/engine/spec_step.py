@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.cache.ragged import make_meta
+from deepinfer_jax.engine.spec_device import repack_rows, resplit
 from deepinfer_jax.models.paged import PagedModel
 from deepinfer_jax.sampling import reset_token_counts, update_token_counts
 from deepinfer_jax.sampling.speculative import draft_sample, verify
@@ -81,6 +82,9 @@ def spec_device_step(
 
     k = num_draft_tokens
     spec = inputs.spec
+    if spec.realloc is not None and num_prompt_logprobs < 0:  # per-token outputs keep the host's layout
+        inputs = _resplit_rows(inputs, state, k)
+        spec = inputs.spec
     num_seqs = inputs.seq_slots.shape[0]
     num_tokens = inputs.token_ids.shape[0]
     num_slots = state.last_tokens.shape[0]
@@ -249,9 +253,46 @@ def spec_device_step(
         "confidences": jnp.stack(confidences_k, axis=1),
         "confidence_error": jnp.where(writes, conf_error, 0.0),
         "drafts": jnp.where(sampling_row[:, None], new_drafts, -1),
+        "num_drafts": nd.astype(jnp.int32),
         "prompt": prompt_out,
     }
     return cache, state, outputs
+
+
+def _resplit_rows(inputs: Any, state: Any, k: int) -> Any:
+    """Variable-length verification's device re-allocation: the rows the host's planner split
+    (``SpecInputs.realloc``) are split again with the pool's confidences, which are a step fresher than the
+    host's, keeping their total; the ragged layout is re-packed for the new verify lengths (the known tokens keep
+    their data, the draft slots follow them). The outputs report each row's drafts (``num_drafts``)."""
+    spec = inputs.spec
+    num_slots = state.draft_conf.shape[0]
+    slots = jnp.clip(inputs.seq_slots, 0, num_slots - 1)
+    eligible = spec.realloc & (inputs.seq_slots >= 0)
+    new_nd = resplit(state.draft_conf[slots], spec.num_drafts, eligible, k)
+    rp = repack_rows(
+        inputs.token_ids,
+        inputs.positions,
+        inputs.token_seq,
+        inputs.query_start,
+        inputs.context_lens,
+        spec.num_drafts,
+        new_nd,
+        draft_token=DRAFT_TOKEN,
+    )
+    targets = inputs.prompt_targets
+    if targets is not None:
+        targets = jnp.where(rp.source >= 0, targets[jnp.clip(rp.source, 0, targets.shape[0] - 1)], -1)
+    moved = (new_nd - spec.num_drafts).astype(inputs.sampling.position.dtype)
+    return inputs._replace(
+        token_ids=rp.token_ids,
+        positions=rp.positions,
+        token_seq=rp.token_seq,
+        query_start=rp.query_start,
+        context_lens=rp.context_lens,
+        prompt_targets=targets,
+        sampling=inputs.sampling._replace(position=inputs.sampling.position + moved),
+        spec=spec._replace(num_drafts=new_nd),
+    )
 
 
 def _temperature(confidence_temperature: tuple[float, ...], i: int) -> float:

@@ -162,6 +162,8 @@ class StepOutput(NamedTuple):
         the row's verified drafts.
       drafts: speculative engines: int32 ``[S, K]`` the drafts each sampling row left in its slot's pool for the
         next step (-1 elsewhere): the host builds a constrained request's verify-row masks from them.
+      num_drafts: speculative engines: int32 ``[S]`` the drafts each row verified (the device's split under
+        variable length, ``SpecInputs.realloc``).
     """
 
     tokens: jax.Array
@@ -179,6 +181,7 @@ class StepOutput(NamedTuple):
     confidences: jax.Array | None = None
     confidence_error: jax.Array | None = None
     drafts: jax.Array | None = None
+    num_drafts: jax.Array | None = None
 
 
 def prompt_logprobs(
@@ -283,6 +286,7 @@ def device_step(
                 confidences=spec_out["confidences"],
                 confidence_error=spec_out["confidence_error"],
                 drafts=spec_out["drafts"],
+                num_drafts=spec_out["num_drafts"],
             ),
         )
     num_seqs = inputs.seq_slots.shape[0]

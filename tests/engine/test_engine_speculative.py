@@ -252,6 +252,15 @@ def test_variable_length_verification(tmp_path):
     llm = LLM("tiny-v3", max_num_seqs=4, max_num_batched_tokens=32, **args, **overrides)
     curve = llm.latency_curve
     assert curve is not None and curve.sizes == (16, 32) and all(ms > 0 for _, ms in curve.points)
+    # What the planner chooses follows the measured times (a loaded machine makes the 32-token step relatively
+    # cheaper or dearer); a fixed steep curve makes its choice depend on the confidences alone: a step that
+    # would spill into the 32-token bucket verifies fewer drafts (the device re-splits the same total).
+    from deepinfer_jax.engine.spec_budget import LatencyCurve
+    from deepinfer_jax.engine.spec_varlen import VerifyLengthPlanner
+
+    steep = VerifyLengthPlanner(LatencyCurve(((16, 1.0), (32, 1000.0))))
+    for device in llm.scheduler.devices:
+        device.verify_planner = steep
     outs = _run(llm, prompts, [_greedy(i) for i in range(len(prompts))])
     assert [list(o.outputs[0].token_ids) for o in outs] == tokens
     stats = llm.last_stats

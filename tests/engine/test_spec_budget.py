@@ -433,3 +433,96 @@ def test_reallocate_agrees_with_host(case, budget_conf):
     assert dev[:n] == seqlen and dev[n:] == [0] * (_S - n)
     dev = _reallocate(conf, nd, np.int32(total_q), np.int32(n)).tolist()
     assert dev[:n] == allocate_verify_lengths(alloc, nds, flags, total_q)
+
+
+# ------------------------------------------------------------------ device re-split and re-pack (§8.6.2)
+
+
+class _Req:
+    """A scheduled request as build_plan reads it: ``tokens`` known so far, ``prompt`` of them the prompt."""
+
+    def __init__(self, slot: int, tokens: list[int], prompt: int) -> None:
+        self.request_id, self.slot, self.block_ids = f"r{slot}", slot, [slot, slot + 8]
+        self._tokens = np.asarray(tokens, np.int32)
+        self.prompt_token_ids, self.prompt_len = self._tokens[:prompt], prompt
+        from deepinfer_jax.engine.params import SamplingParams
+
+        self.params, self.seed = SamplingParams(temperature=0.0), slot
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        return self._tokens[start:stop]
+
+
+def _spec_plan(rows, drafts: list[int]):
+    """One device's plan of ``rows`` (``(request, start, known tokens, decode)``), decode rows with ``drafts``."""
+    from deepinfer_jax.engine.plan import DeviceBatch, ScheduledRow, build_plan
+
+    it = iter(drafts)
+    batch = []
+    for req, start, known, decode in rows:
+        nd = next(it) if decode else 0
+        batch.append(
+            ScheduledRow(req, start, known + nd, True, decode, decode, num_drafts=nd, shifted=decode)
+        )
+    return build_plan(
+        [DeviceBatch(tuple(batch))],
+        buckets=[(32, 8)],
+        max_blocks_per_seq=2,
+        vocab_size=64,
+        num_draft_tokens=3,
+        device_resplit=True,
+    )
+
+
+def test_repack_rows_equals_the_plan_of_the_new_split():
+    """Re-packing a step for new verify lengths gives exactly the arrays the host builds for those lengths:
+    known tokens keep their ids and positions, draft slots follow, later rows (a prefill chunk between two
+    decode rows) move, padding stays padding."""
+    from deepinfer_jax.engine.spec_device import repack_rows
+    from deepinfer_jax.engine.spec_step import DRAFT_TOKEN
+
+    rows = [
+        (_Req(1, list(range(10, 20)), 6), 9, 1, True),  # decode: token 9 pending, drafts after
+        (_Req(2, list(range(30, 42)), 12), 4, 5, False),  # a prefill chunk of 5 prompt tokens
+        (_Req(3, list(range(50, 58)), 3), 7, 1, True),
+        (_Req(4, list(range(60, 64)), 2), 3, 1, True),
+    ]
+    old, new = [2, 0, 3], [0, 3, 2]
+    a, b = _spec_plan(rows, old), _spec_plan(rows, new)
+    ia, ib = a.inputs, b.inputs
+    nd_old = np.asarray(ia.spec.num_drafts[0])
+    nd_new = nd_old.copy()
+    nd_new[[0, 2, 3]] = new
+    rp = repack_rows(
+        ia.token_ids[0],
+        ia.positions[0],
+        ia.token_seq[0],
+        ia.query_start[0],
+        ia.context_lens[0],
+        nd_old,
+        nd_new,
+        draft_token=DRAFT_TOKEN,
+    )
+    np.testing.assert_array_equal(rp.token_ids, ib.token_ids[0])
+    np.testing.assert_array_equal(rp.positions, ib.positions[0])
+    np.testing.assert_array_equal(rp.token_seq, ib.token_seq[0])
+    np.testing.assert_array_equal(rp.query_start, ib.query_start[0])
+    np.testing.assert_array_equal(rp.context_lens, ib.context_lens[0])
+    np.testing.assert_array_equal(np.asarray(ib.spec.num_drafts[0]), nd_new)
+    assert np.asarray(ia.spec.realloc[0]).tolist() == [False] * 8  # rows the planner did not split
+
+
+def test_resplit_keeps_the_total_and_follows_fresh_confidences():
+    """Hand case: eligible rows 0, 1 and 3 hold 1 + 2 + 0 = 3 planned drafts; the fresh cumulative confidences
+    rank row 3's first two drafts (0.9, 0.81) and row 1's first (0.8) highest, so the split becomes 0 / 1 / - / 2;
+    row 2 (not eligible) keeps its 3 drafts."""
+    from deepinfer_jax.engine.spec_device import resplit
+
+    conf = np.array(
+        [[0.5, 0.5, 0.5], [0.8, 0.1, 0.9], [1.0, 1.0, 1.0], [0.9, 0.9, 0.1]], np.float32
+    )  # row 3 cumulative: 0.9, 0.81, 0.081
+    planned = np.array([1, 2, 3, 0], np.int32)
+    eligible = np.array([True, True, False, True])
+    got = np.asarray(resplit(conf, planned, eligible, 3))
+    assert got.tolist() == [0, 1, 3, 2]
+    assert got[eligible].sum() == planned[eligible].sum()
