@@ -25,6 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from spec_common import greedy as _greedy  # tests/engine/spec_common.py
+from spec_common import logprobs as _logprobs
+from spec_common import prompts as _prompts
+from spec_common import run as _run
 
 from deepinfer_jax.engine.llm import LLM
 from deepinfer_jax.engine.params import SamplingParams
@@ -43,24 +47,6 @@ def _llm(k: int) -> LLM:
         kv_cache_memory="64MiB",
         **{"cache.block_size": 16, "cache.num_blocks": BLOCKS, "speculative.force_draft_tokens": True},
     )
-
-
-def _prompts(seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 500, n).tolist() for n in (1, 5, 17, 40, 9, 23)]
-
-
-def _greedy(i: int, **kw) -> SamplingParams:
-    args = {"temperature": 0.0, "max_tokens": 8 + (i * 3) % 9, "ignore_eos": True, "logprobs": 2, **kw}
-    return SamplingParams(**args)
-
-
-def _run(llm: LLM, prompts, params):
-    return llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-
-
-def _logprobs(out) -> list[float]:
-    return [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
 
 
 @functools.cache

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import pytest
+from spec_common import greedy as _greedy  # tests/engine/spec_common.py
+from spec_common import logprobs as _logprobs
+from spec_common import prompts as _prompts
+from spec_common import run as _run
 
 from deepinfer_jax.engine.llm import LLM
 from deepinfer_jax.engine.params import SamplingParams
@@ -40,24 +43,6 @@ def _engine(k: int, *, dtype: str = "float32", dp: int = 1, ep: int = 1, **kw) -
         kv_cache_memory="64MiB",
         **{**_SMALL, "cache.num_blocks": BLOCKS * devices, **kw},
     )
-
-
-def _prompts(seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 500, n).tolist() for n in (1, 5, 17, 40, 9, 23)]
-
-
-def _greedy(i: int, **kw) -> SamplingParams:
-    args = {"temperature": 0.0, "max_tokens": 8 + (i * 3) % 9, "ignore_eos": True, "logprobs": 2, **kw}
-    return SamplingParams(**args)
-
-
-def _run(llm: LLM, prompts, params):
-    return llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-
-
-def _logprobs(out) -> list[float]:
-    return [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
 
 
 def _tokens(outs) -> list[list[int]]:
