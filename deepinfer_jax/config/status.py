@@ -107,7 +107,10 @@ FIELDS: dict[str, Setting] = {
         f"extra state slots beyond max_num_seqs (one slot per running sequence is what the engine uses; {_PREFIX} "
         "will keep snapshots in extra slots)"
     ),
-    "cache.max_backtracking_tokens": _not_built(f"ring rollback margin for {_SPEC}"),
+    "cache.max_backtracking_tokens": _no_effect(
+        "no effect: the engine gives every V4.1 per-slot ring the DSpark block size B as its rollback margin "
+        "(the most a speculative step can reject, docs/speculative.md); a larger margin has no use yet"
+    ),
     "cache.store_extra_window_state": _not_built(_PREFIX),
     "cache.extra_window_tokens": _not_built(_PREFIX),
     # ------------------------------------------------------------------------------------------ parallel

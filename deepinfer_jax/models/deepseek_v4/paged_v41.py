@@ -460,6 +460,10 @@ class V41PagedModel(PagedModel):
             return hc_collapse(s, c)  # the last FFN's own pre-mix
         return hc_head(s, **params["hc_head"], hc_eps=st.hc_eps, norm_eps=st.eps)
 
+    def _logits(self, params: Params, h: jax.Array) -> jax.Array:
+        """Float32 logits of LM-head inputs ``h`` (the final norm, then the head)."""
+        return lm_head(rms_norm(h, params["norm"], eps=self.static.eps), params["head"])
+
     def forward(
         self,
         params: Any,
@@ -476,8 +480,7 @@ class V41PagedModel(PagedModel):
         last = meta.last_token() if logit_index is None else logit_index
 
         def head(s: jax.Array, c: jax.Array) -> jax.Array:
-            h = self._collapse(params, s, c)
-            return lm_head(rms_norm(h, params["norm"], eps=self.static.eps), params["head"])
+            return self._logits(params, self._collapse(params, s, c))
 
         logits = rowwise(head, tile, streams[last], carried_pre[last])
         return logits, cache
@@ -511,16 +514,13 @@ class V41PagedModel(PagedModel):
             phi = target_features(captured, static=ds)  # [T, T·H]
             new = rowwise(keys, tile, phi, meta.positions)  # one [T, D] per draft layer
             rings = tuple(
-                ring_write(ring, k.astype(ring.dtype), meta, after=None)
-                for ring, k in zip(cache.draft, new, strict=True)
+                ring_write(ring, k.astype(ring.dtype), meta) for ring, k in zip(cache.draft, new, strict=True)
             )
             cache = cache._replace(draft=rings)
         return hidden, cache
 
     def head(self, params: Any, hidden: jax.Array, *, tile: int | None) -> jax.Array:
-        return rowwise(
-            lambda h: lm_head(rms_norm(h, params["norm"], eps=self.static.eps), params["head"]), tile, hidden
-        )
+        return rowwise(lambda h: self._logits(params, h), tile, hidden)
 
     def dspark_block(
         self,
