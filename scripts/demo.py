@@ -76,8 +76,9 @@ def main() -> int:
     print(f"[demo]   text {tok.decode(new_ids)!r}")
 
     # 2. The engine (paged caches, state slots, scheduler, jitted step, sampler) on the same model: its greedy
-    #    tokens must equal the full forward's; two seeded samples share the batch.
-    llm = LLM(model=args.model, dtype="float32", kv_cache_memory="64MiB")
+    #    tokens must equal the full forward's; two seeded samples share the batch. V4.1's DSpark drafter drafts
+    #    (on by default): its rings and draft pool grow every state slot, so the demo keeps 16 of them.
+    llm = LLM(model=args.model, dtype="float32", kv_cache_memory="64MiB", max_num_seqs=16)
     params = [
         SamplingParams(max_tokens=args.max_tokens, temperature=0.0),
         SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.9, seq_seed=1),
@@ -90,6 +91,7 @@ def main() -> int:
         print(f"[demo] engine ({label}) -> {len(out.token_ids)} tokens {out.token_ids}")
         print(f"[demo]   {args.prompt}{out.text}")
         print(f"[demo]   finish_reason={out.finish_reason}")
+    print(f"[demo] {llm.last_stats.summary(len(prompts))}")
     greedy = outputs[0].outputs[0].token_ids
     same = greedy == new_ids[: len(greedy)]
     print(f"[demo] engine greedy tokens {'equal' if same else 'DIFFER FROM'} the full-forward greedy tokens")

@@ -15,6 +15,7 @@ def test_demo_continues_a_play_with_shakespeare_v41_the_engine_and_chat():
     # The checkout's own package first (the script's folder, not the root, heads its sys.path).
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
+    env.pop("DEEPINFER_USE_NEXTN_DECODE", None)  # as a user runs it: the suite's pin off, the drafter on
     res = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "demo.py"), "--max_tokens", "12"],
         capture_output=True,
@@ -38,4 +39,9 @@ def test_demo_continues_a_play_with_shakespeare_v41_the_engine_and_chat():
     # The engine on the same model: three requests in one batch, the greedy one equal to the full forward's.
     assert len(re.findall(r"engine \((greedy|sample 1|sample 2)\) -> \d+ tokens", out)) == 3, out
     assert "engine greedy tokens equal the full-forward greedy tokens" in out, out
+    # The trained DSpark drafter drafted and its drafts were accepted: more than one token per decode step.
+    spec = re.search(
+        r"speculative: [0-9.]+ drafts verified per decode row, mean accepted length ([0-9.]+)", out
+    )
+    assert spec is not None and float(spec.group(1)) > 1.0, out
     assert re.search(r"LLM\.chat -> \d+ tokens, finish_reason=\w+: ", out), out
