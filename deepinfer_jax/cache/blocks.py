@@ -161,7 +161,13 @@ class IdPool:
                 raise ValueError(f"{self._kind} {i} is freed twice (it is not allocated)")
             seen.add(i)
         self._refs[ids] -= 1
-        self._free.extend(i for i in ids if self._refs[i] == 0)
+        for i in ids:
+            if self._refs[i] == 0:
+                self._unowned(i)
+
+    def _unowned(self, id_: int) -> None:
+        """Where an id goes when its last owner frees it: the back of the free list."""
+        self._free.append(id_)
 
     def check_consistency(self) -> None:
         """Assert the free list and the ownership bitmap agree (tests and debug runs)."""

@@ -60,6 +60,10 @@ class RaggedMeta(NamedTuple):
       row: int32 ``[T]`` the token's row clamped into ``[0, S)`` (safe for gathers; mask with ``valid``).
       row_start: int32 ``[S]`` first position of each row in this step.
       slot: int32 ``[T]`` the token's state slot (``-1`` for padding).
+      snapshots: prefix caching's state snapshots written by this step, or ``None``: int32 ``[3, J]`` rows
+        ``(row, boundary, slot)``: after the step, state slot ``slot`` holds what row ``row``'s slot holds right
+        after position ``boundary - 1`` (the step copied the row's slot there before it ran, and
+        :func:`ring_write` adds the row's items of positions ``[boundary - R, boundary)``); ``slot = -1`` = none.
     """
 
     token_seq: jax.Array
@@ -72,6 +76,7 @@ class RaggedMeta(NamedTuple):
     row: jax.Array
     row_start: jax.Array
     slot: jax.Array
+    snapshots: jax.Array | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +98,7 @@ def make_meta(
     context_lens: jax.Array,
     seq_slots: jax.Array,
     block_tables: jax.Array,
+    snapshots: jax.Array | None = None,
 ) -> RaggedMeta:
     """Build the :class:`RaggedMeta` of a step from the plan's arrays (see ``engine/plan.py``)."""
     rows = seq_slots.shape[0]
@@ -112,6 +118,7 @@ def make_meta(
         row,
         row_start,
         slot,
+        None if snapshots is None else snapshots.astype(jnp.int32),
     )
 
 
@@ -220,6 +227,29 @@ def ring_write(ring: Any, new: Any, meta: RaggedMeta, *, after: Any = None) -> A
     def put(r: jax.Array, n: jax.Array) -> jax.Array:
         target = jnp.where(keep, meta.slot, r.shape[0])
         return r.at[target, jnp.mod(meta.positions, ring_len)].set(n.astype(r.dtype), mode="drop")
+
+    ring = jax.tree.map(put, ring, new)
+    if meta.snapshots is not None:
+        ring = _snapshot_write(ring, new, meta, ring_len)
+    return ring
+
+
+def _snapshot_write(ring: Any, new: Any, meta: RaggedMeta, ring_len: int) -> Any:
+    """Each snapshot ``(row, boundary h, slot)`` of :class:`RaggedMeta` gets the row's items of positions
+    ``[h - R, h)`` that lie in this step (the older ones came with the slot copy made before the step)."""
+    rows, ends, slots = meta.snapshots[0], meta.snapshots[1], meta.snapshots[2]
+    num_rows = meta.num_rows
+    row = jnp.clip(rows, 0, num_rows - 1)
+    start = meta.row_start[row]  # [J] first position of the row in this step
+    pos = ends[:, None] - ring_len + jnp.arange(ring_len, dtype=jnp.int32)[None, :]  # [J, R]
+    ok = (slots[:, None] >= 0) & (pos >= start[:, None]) & (pos >= 0) & (pos < ends[:, None])
+    index = jnp.where(ok, meta.query_start[row][:, None] + pos - start[:, None], meta.num_tokens)
+    target = jnp.where(ok, slots[:, None], jax.tree.leaves(ring)[0].shape[0])
+    ring_index = jnp.mod(pos, ring_len)
+
+    def put(r: jax.Array, n: jax.Array) -> jax.Array:
+        items = n.at[index].get(mode="fill", fill_value=0)
+        return r.at[target, ring_index].set(items.astype(r.dtype), mode="drop")
 
     return jax.tree.map(put, ring, new)
 

@@ -247,6 +247,12 @@ ENV_VARS: dict[str, EnvVar] = {
             target="cache.state_slots_ratio",
         ),
         EnvVar(
+            "DEEPINFER_ENABLE_PREFIX_CACHING",
+            "bool",
+            "reuse cached prefix blocks (and V4 / V4.1 window-state snapshots)",
+            target="cache.enable_prefix_caching",
+        ),
+        EnvVar(
             "DEEPINFER_PREFILL_STORE_EXTRA_STATE",
             "bool",
             "enlarge SWA rings for 128-granular persistence",

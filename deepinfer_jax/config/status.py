@@ -88,8 +88,23 @@ def _without_expert_parallelism(cfg: EngineConfig) -> str | None:
     )
 
 
+def _extra_slots_unused(cfg: EngineConfig) -> str | None:
+    ratio = cfg.cache.state_slots_ratio
+    if ratio is None or ratio <= 1.0:
+        return None
+    if not cfg.cache.enable_prefix_caching:
+        return "extra state slots hold prefix-cache snapshots, and cache.enable_prefix_caching is off"
+    model = cfg.model
+    if model is not None and str(getattr(model.family, "value", model.family)) == "deepseek_v3":
+        return "deepseek_v3 keeps no per-sequence state, so prefix caching needs no snapshot slots"
+    return None
+
+
 _SPEC = "speculative decoding in the engine (DSpark / MTP drafts and their verification)"
-_PREFIX = "prefix caching with window-state snapshots"
+_RINGS = (
+    "no effect: prefix caching's window-state snapshots are written by the step that passes each block boundary "
+    "(docs/prefix_cache.md), so the rings need no extra positions"
+)
 _REPLAY = "SWA bounded replay (YOCO prefill truncation)"
 _BUCKETS = "the step buckets are fixed: 16 / 64 / 256 / the budget tokens against 8 / 32 / 128 / the budget sequences"
 
@@ -103,16 +118,20 @@ FIELDS: dict[str, Setting] = {
         ),
     ),
     "cache.num_blocks": _honoured("cache blocks per device, instead of sizing them from kv_cache_memory"),
-    "cache.state_slots_ratio": _not_built(
-        f"extra state slots beyond max_num_seqs (one slot per running sequence is what the engine uses; {_PREFIX} "
-        "will keep snapshots in extra slots)"
+    "cache.state_slots_ratio": _honoured(
+        "the slots beyond max_num_seqs hold prefix caching's window-state snapshots (None: 2.0 when snapshots "
+        "are kept, else 1.0)",
+        warn_if=lambda cfg: _extra_slots_unused(cfg),
+    ),
+    "cache.enable_prefix_caching": _honoured(
+        "reuse cached prefix blocks of earlier requests (LLM(enable_prefix_caching=))"
     ),
     "cache.max_backtracking_tokens": _no_effect(
         "no effect: the engine gives every V4.1 per-slot ring the DSpark block size B as its rollback margin "
         "(the most a speculative step can reject, docs/speculative.md); a larger margin has no use yet"
     ),
-    "cache.store_extra_window_state": _not_built(_PREFIX),
-    "cache.extra_window_tokens": _not_built(_PREFIX),
+    "cache.store_extra_window_state": _no_effect(_RINGS),
+    "cache.extra_window_tokens": _no_effect(_RINGS),
     # ------------------------------------------------------------------------------------------ parallel
     "parallel.data_parallel_size": _honoured("the mesh's dp axis (LLM(data_parallel_size=))"),
     "parallel.expert_parallel_size": _honoured("the mesh's ep axis: routed experts sharded over it"),

@@ -68,8 +68,10 @@ class CacheConfig(Checked):
         block_size: tokens per cache block (one of :data:`BLOCK_SIZES`; the reference fixes 128).
         memory_utilization: fraction of device memory the engine may use (weights, activations, caches).
         num_blocks: fixed number of cache blocks, overriding memory profiling (``None`` = profile).
-        state_slots_ratio: state slots = ``int(max_num_seqs * ratio) + 1`` (slot 0 is reserved); the engine
-            uses one slot per running sequence, so only 1.0 has an effect yet (docs/config.md).
+        state_slots_ratio: state slots = ``int(max_num_seqs * ratio) + 1`` (slot 0 is reserved): one per running
+            sequence, the rest hold prefix caching's window-state snapshots (V4 / V4.1). ``None`` = 2.0 when the
+            engine keeps snapshots, else 1.0 (docs/prefix_cache.md).
+        enable_prefix_caching: reuse the cached blocks of earlier requests' prefixes (docs/prefix_cache.md).
         max_backtracking_tokens: rollback margin of the window/compression rings; the effective value is
             ``max(this, num_draft_tokens + 1)`` (:attr:`EngineConfig.backtracking_tokens`).
         store_extra_window_state / extra_window_tokens: enlarge the sliding-window rings by this many tokens so
@@ -81,7 +83,8 @@ class CacheConfig(Checked):
     block_size: int = 128
     memory_utilization: float = 0.9
     num_blocks: int | None = None
-    state_slots_ratio: float = 1.0
+    state_slots_ratio: float | None = None
+    enable_prefix_caching: bool = True
     max_backtracking_tokens: int = 0
     store_extra_window_state: bool = False
     extra_window_tokens: int = 128

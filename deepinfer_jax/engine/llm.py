@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from deepinfer_jax.cache.paged import parse_bytes
 from deepinfer_jax.cache.plan import plan_memory
+from deepinfer_jax.cache.prefix import prefix_salt
 from deepinfer_jax.checkpoint.model_loading import DTYPES, Model, init_random, load_model
 from deepinfer_jax.config import load_config_with_sources
 from deepinfer_jax.config.status import check_settings, env_report, field_value
@@ -40,7 +41,7 @@ from deepinfer_jax.engine.mesh_eplb import MeshExpertBalancer
 from deepinfer_jax.engine.params import RequestOutput, SamplingParams, derive_seed, validate_request
 from deepinfer_jax.engine.plan import build_plan
 from deepinfer_jax.engine.runner import EngineRunner, RunnerOptions, RunStats
-from deepinfer_jax.engine.scheduler import Scheduler
+from deepinfer_jax.engine.scheduler import PrefixCacheOptions, Scheduler
 from deepinfer_jax.engine.spec_budget import (
     LatencyCurve,
     curve_cache_key,
@@ -78,6 +79,7 @@ ARGUMENT_CONFIG_KEYS = {
     "parallel.expert_parallel_size": "expert_parallel_size",
     "speculative.num_draft_tokens": "num_draft_tokens",
     "speculative.variable_length": "speculative_variable_length",
+    "cache.enable_prefix_caching": "enable_prefix_caching",
 }
 """Config names that LLM's own keyword arguments set (config name -> argument); giving them as overrides too
 would be ambiguous. An argument left at ``None`` takes the config's value when a yaml, gin or ``DEEPINFER_*``
@@ -95,6 +97,7 @@ LLM_DEFAULTS: dict[str, Any] = {
     "expert_parallel_size": 1,
     "num_draft_tokens": None,  # the model's natural draft length (V3: 1 per MTP layer; V4.1: dspark_block_size)
     "speculative_variable_length": False,
+    "enable_prefix_caching": True,
 }
 """What each of LLM's keyword arguments is when neither the call nor a config source sets it."""
 _MASK64 = (1 << 64) - 1
@@ -298,6 +301,59 @@ def _draft_length(config: Any, sources: Mapping[str, str]) -> int:
     return int(config.num_draft_tokens)
 
 
+PREFIX_SNAPSHOTS_PER_STEP = 4
+"""Most window-state snapshots one step writes per device (prefix caching; docs/prefix_cache.md)."""
+PREFIX_COPIES_PER_STEP = 8
+"""Slot copies of a step with snapshots: the snapshots' own and the hits' restores."""
+
+
+def _prefix_options(
+    config: Any,
+    paged: Any,
+    max_num_seqs: int,
+    model_dir: Path,
+    dtype: str,
+    kv_cache_dtype: str,
+    num_draft_tokens: int,
+) -> PrefixCacheOptions | None:
+    """Prefix caching's options for this engine, or ``None`` when ``cache.enable_prefix_caching`` is off."""
+    cache = config.cache
+    if not cache.enable_prefix_caching:
+        return None
+    layout = paged.layout()
+    snapshots = layout.bytes_per_slot > 0  # per-sequence state outside the blocks (V4, V4.1)
+    ratio = cache.state_slots_ratio
+    if ratio is None:
+        ratio = 2.0 if snapshots else 1.0
+    slots = max(int(max_num_seqs * ratio) - max_num_seqs, 0) if snapshots else 0
+    if snapshots and not slots:
+        logging.warning(
+            "cache.state_slots_ratio = %s leaves no state slot for window-state snapshots: prefix caching of this "
+            "model finds no hit (raise the ratio above 1)",
+            ratio,
+        )
+    lookahead = 1 if num_draft_tokens and paged.draft_kind == "mtp" else 0
+    salt = prefix_salt(
+        model=str(model_dir.resolve()),
+        config=repr(config.model),
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        block_size=cache.block_size,
+        layout=(layout.bytes_per_block, layout.bytes_per_slot, layout.dtype),
+        draft_tokens=num_draft_tokens,
+        replay=(config.scheduler.yoco_truncation, config.scheduler.yoco_keep_tokens),
+        lookahead=lookahead,
+    )
+    return PrefixCacheOptions(
+        salt=salt,
+        lookahead=lookahead,
+        snapshots=snapshots,
+        snapshot_slots=slots,
+        snapshots_per_step=PREFIX_SNAPSHOTS_PER_STEP,
+        copies_per_step=PREFIX_COPIES_PER_STEP,
+    )
+
+
 def _confidence_temperatures(config: Any, k: int) -> tuple[float, ...]:
     """``speculative.confidence_temperature`` as one value per draft position (a scalar repeated). The config
     checks a list against its draft length, which is the engine's whenever the engine drafts."""
@@ -434,6 +490,7 @@ class LLM:
         logprobs_mode: str = "raw_logprobs",
         num_draft_tokens: int | None = None,
         speculative_variable_length: bool | None = None,
+        enable_prefix_caching: bool | None = None,
         **engine_overrides: Any,
     ) -> None:
         if logprobs_mode not in LOGPROBS_MODES:
@@ -463,6 +520,7 @@ class LLM:
             "expert_parallel_size": expert_parallel_size,
             "num_draft_tokens": num_draft_tokens,
             "speculative_variable_length": speculative_variable_length,
+            "enable_prefix_caching": enable_prefix_caching,
         }
         given = {}
         for field, name in ARGUMENT_CONFIG_KEYS.items():
@@ -493,6 +551,10 @@ class LLM:
             _check_int(name, args[name], 1)
         if args["num_draft_tokens"] is not None:
             _check_int("num_draft_tokens", args["num_draft_tokens"], 0)
+        if not isinstance(args["enable_prefix_caching"], bool):
+            raise TypeError(
+                f"enable_prefix_caching: expected a bool, got {type(args['enable_prefix_caching']).__name__}"
+            )
         if not isinstance(args["speculative_variable_length"], bool):
             raise TypeError(
                 "speculative_variable_length: expected a bool, got "
@@ -510,6 +572,12 @@ class LLM:
         for line in env_report():
             logging.info("%s", line)
         check_settings(config, sources)  # refused values raise, values without effect warn
+        positions = getattr(config.model, "max_position_embeddings", None)
+        if max_model_len is not None and positions and max_model_len > positions:
+            raise ValueError(
+                f"max_model_len: {max_model_len} tokens exceed the model's max_position_embeddings = {positions}; "
+                f"lower max_model_len to at most {positions}"
+            )
         family = get_family(str(getattr(config.require_model("LLM").family, "value", config.model.family)))
         cache_storage, _ = family.engine_support()
         cache_storage(dtype, kv_cache_dtype)  # before any weight is read
@@ -557,7 +625,6 @@ class LLM:
         max_num_seqs = device_share(max_num_seqs, num_devices)
         max_num_batched_tokens = device_share(max_num_batched_tokens, num_devices)
 
-        num_slots = max_num_seqs + 1
         _, paged_model = self.model.family.engine_support()
         self.paged_model = paged_model(
             self.model,
@@ -566,6 +633,12 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype,
             draft_tokens=self.num_draft_tokens,
         )
+        self.prefix_cache = _prefix_options(
+            config, self.paged_model, max_num_seqs, model_dir, dtype, kv_cache_dtype, self.num_draft_tokens
+        )
+        """Prefix caching's settings (``None``: off; docs/prefix_cache.md)."""
+        snapshot_slots = 0 if self.prefix_cache is None else self.prefix_cache.snapshot_slots
+        num_slots = max_num_seqs + 1 + snapshot_slots
         if budget is None:
             device = mesh.devices.flat[0]
             stats = device.memory_stats() if device.platform != "cpu" else None
@@ -661,6 +734,7 @@ class LLM:
             grammar_compiler=self.grammar_compiler,
             num_draft_tokens=self.num_draft_tokens,
             force_drafts=config.speculative.force_draft_tokens,
+            prefix_cache=self.prefix_cache,
         )
         self.last_stats: RunStats | None = None
         self.expert_balancer: MeshExpertBalancer | None = None
@@ -966,6 +1040,13 @@ class LLM:
         )
 
     # -------------------------------------------------------------------------------------- lifetime
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block and window-state snapshot (vLLM's ``reset_prefix_cache``): later
+        requests compute their prompts from the start until new blocks are cached. Blocks that running requests
+        hold stay theirs. Returns False when prefix caching is off."""
+        self._check_open()
+        return self.scheduler.reset_prefix_cache()
 
     def get_tokenizer(self) -> Tokenizer | None:
         """The tokenizer requests are encoded and decoded with (``None`` for a model without one)."""

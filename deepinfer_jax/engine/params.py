@@ -696,3 +696,5 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None
     metrics: RequestMetrics
     finished: bool = False
+    num_cached_tokens: int = 0
+    """Prompt tokens its first admission found in the prefix cache (vLLM's field; docs/prefix_cache.md)."""

@@ -148,7 +148,10 @@ class DeviceBatch:
     """``(source, destination)`` blocks copied at the start of the step, before any row runs (a fork's
     copy-on-write of a shared partial block)."""
     slot_copies: tuple[tuple[int, int], ...] = ()
-    """``(source, destination)`` state slots cloned at the start of the step (a fork's per-sequence state)."""
+    """``(source, destination)`` state slots cloned at the start of the step (a fork's per-sequence state, a
+    prefix-cache hit's restored snapshot, the start of a new snapshot)."""
+    snapshots: tuple[tuple[int, int, int], ...] = ()
+    """``(row, boundary, slot)``: window-state snapshots the step writes (prefix caching, docs/prefix_cache.md)."""
 
     @property
     def num_tokens(self) -> int:
@@ -188,6 +191,9 @@ class StepInputs(NamedTuple):
       sampling: the rows' :class:`~deepinfer_jax.sampling.SamplingTensors`, leaves ``[D, S, ...]``.
       prompt_targets: int32 ``[D, T]`` the next prompt token of each token whose request asked for prompt
         logprobs (``-1`` elsewhere), or ``None`` when no token of the step needs one.
+      snapshots: int32 ``[D, 3, J]`` prefix caching's window-state snapshots (``(row, boundary, slot)``, slot
+        ``-1`` = none; :class:`~deepinfer_jax.cache.ragged.RaggedMeta`), or ``None`` when the step takes none.
+        Each snapshot's slot is also a destination of ``copies`` (the row's slot, copied before the step).
 
     The position of the token a row samples is ``context_lens[d, s]`` (the 0-based index of the new token in
     the request's full sequence), which is what position-keyed sampling needs.
@@ -206,6 +212,7 @@ class StepInputs(NamedTuple):
     prompt_targets: Any = None
     copies: Any = None
     spec: Any = None
+    snapshots: Any = None
 
 
 class SpecInputs(NamedTuple):
@@ -396,6 +403,7 @@ class StepPlan:
                 if self.inputs.copies is None
                 else (self.inputs.copies.block_src.shape[1], self.inputs.copies.slot_src.shape[1])
             ),
+            -1 if self.inputs.snapshots is None else int(self.inputs.snapshots.shape[2]),
         )
 
     @property
@@ -465,6 +473,7 @@ def build_plan(
     num_draft_tokens: int = 0,
     force_drafts: bool = False,
     device_resplit: bool = False,
+    min_copies: tuple[int, int, int] = (0, 0, 0),
 ) -> StepPlan:
     """The :class:`StepPlan` of one step: every device's batch (``None`` = nothing to run) in one padded plan.
 
@@ -472,6 +481,8 @@ def build_plan(
     array is filled here, from the scheduled requests (:class:`PlanRequest`): token ids (the pending ``-1`` for
     a row whose input is still on the device), positions, rows, slots, block tables, prompt lengths, the sampling
     tensors (parameters, seeds and the positions of the tokens the rows sample) and the prompt-logprob targets.
+    ``min_copies`` gives the least widths of the block copies, slot copies and snapshots (fixed widths keep one
+    compiled step whatever a step copies: prefix caching with snapshots).
     """
     real = [b for b in batches if b is not None]
     if not real:
@@ -587,10 +598,10 @@ def build_plan(
                     grammar.draft_masks(list(row.pool_drafts[: row.num_drafts]), out)
                     verify_masks[dev, i, : row.num_drafts + 1] = out
     copies = None
-    nb = max((len(b.block_copies) for b in real), default=0)
-    ns = max((len(b.slot_copies) for b in real), default=0)
+    nb = max(max((len(b.block_copies) for b in real), default=0), min_copies[0])
+    ns = max(max((len(b.slot_copies) for b in real), default=0), min_copies[1])
     if nb or ns:
-        kb, ks = (1 << max(k - 1, 0).bit_length() for k in (nb, ns))
+        kb, ks = (max(1 << max(k - 1, 0).bit_length(), m) for k, m in zip((nb, ns), min_copies, strict=False))
         arrays = [np.full((d, k), -1, np.int32) for k in (kb, kb, ks, ks)]
         for dev, batch in enumerate(batches):
             if batch is None:
@@ -600,6 +611,14 @@ def build_plan(
             for j, (src, dst) in enumerate(batch.slot_copies):
                 arrays[2][dev, j], arrays[3][dev, j] = src, dst
         copies = CacheCopies(*arrays)
+    snapshots = None
+    nsnap = max(max((len(b.snapshots) for b in real), default=0), min_copies[2])
+    if nsnap:
+        width = max(1 << max(nsnap - 1, 0).bit_length(), min_copies[2])
+        snapshots = np.full((d, 3, width), -1, np.int32)
+        for dev, batch in enumerate(batches):
+            for j, entry in enumerate(() if batch is None else batch.snapshots):
+                snapshots[dev, :, j] = entry
     inputs = StepInputs(
         token_ids,
         positions,
@@ -614,6 +633,7 @@ def build_plan(
         targets,
         copies,
         SpecInputs(num_drafts, shifted, next_ids, forced, verify_masks, realloc) if speculative else None,
+        snapshots,
     )
     return StepPlan(
         inputs,

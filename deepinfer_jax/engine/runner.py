@@ -51,6 +51,8 @@ class RunStats:
       eplb_rearrangements: expert re-placements done during the run (EPLB).
       moe_lb: ``Σ max / Σ mean`` rows per EP rank over the run's steps and MoE layers (1.0 = even; ``None``:
         not measured, or no token routed).
+      prefix_queries, prefix_hits: prompt tokens looked up in the prefix cache at admission and those found
+        cached (docs/prefix_cache.md); snapshots, snapshot_restores: window-state snapshots written and restored.
     """
 
     steps: int = 0
@@ -70,6 +72,15 @@ class RunStats:
     verified_at: tuple[int, ...] = ()
     accepted_at: tuple[int, ...] = ()
     confidence_error_sum: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    snapshots: int = 0
+    snapshot_restores: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Prefix cache hits over queried prompt tokens (``None``: nothing was looked up)."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else None
 
     @property
     def confidence_error(self) -> float | None:
@@ -122,6 +133,11 @@ class RunStats:
                 f", speculative: {self.verified_per_step:.2f} drafts verified per decode row, mean accepted length "
                 f"{self.mean_accepted_length:.2f}, acceptance per position {rates}, confidence error "
                 f"{self.confidence_error:.3f}"
+            )
+        if self.prefix_queries:
+            line += (
+                f", prefix cache: {self.prefix_hits} of {self.prefix_queries} prompt tokens cached "
+                f"({100 * (self.prefix_hit_rate or 0.0):.1f}%)"
             )
         if self.dp * self.ep == 1:
             return line
@@ -312,6 +328,12 @@ class EngineRunner:
             st.confidence_error_sum,
         )
 
+    def _prefix_counters(self) -> tuple[int, int, int, int]:
+        st = getattr(self.scheduler, "stats", None)
+        if st is None or not hasattr(st, "prefix_cache_queries"):
+            return (0, 0, 0, 0)
+        return (st.prefix_cache_queries, st.prefix_cache_hits, st.num_snapshots, st.num_snapshot_restores)
+
     def _periodic(self, stats: RunStats, start: float) -> None:
         """The statistics line and the garbage collection due after this many steps."""
         opts, n = self.options, stats.steps
@@ -357,6 +379,7 @@ class EngineRunner:
         cache_hits = self.executor.compile_cache_hits
         placeholders = self.placeholder_plans
         spec_before = self.spec_counters()
+        prefix_before = self._prefix_counters()
         balancer = self.balancer
         peak, mean = (balancer.total_peak, balancer.total_mean) if balancer is not None else (0.0, 0.0)
         replaced = balancer.rearrangements if balancer is not None else 0
@@ -409,6 +432,10 @@ class EngineRunner:
         stats.compile_cache_hits = self.executor.compile_cache_hits - cache_hits
         stats.placeholder_plans = self.placeholder_plans - placeholders
         self.spec_counters().since(spec_before).record(stats)
+        now = self._prefix_counters()
+        (stats.prefix_queries, stats.prefix_hits, stats.snapshots, stats.snapshot_restores) = (
+            a - b for a, b in zip(now, prefix_before, strict=True)
+        )
         if balancer is not None:
             stats.eplb_rearrangements = balancer.rearrangements - replaced
             if balancer.total_mean > mean:

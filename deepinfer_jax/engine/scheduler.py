@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from deepinfer_jax.cache.blocks import BlockAllocator, StateSlotManager, blocks_for_tokens
+from deepinfer_jax.cache.prefix import PrefixBlockPool, SnapshotPool, block_keys
 from deepinfer_jax.engine.grammar import GrammarCompiler, RequestGrammar, bitmask_words
 from deepinfer_jax.engine.params import (
     CompletionOutput,
@@ -71,7 +72,39 @@ from deepinfer_jax.engine.spec_budget import cumulative_rates
 from deepinfer_jax.text.detokenize import IncrementalDetokenizer
 from deepinfer_jax.text.tokenizer import Tokenizer
 
-__all__ = ["DeviceScheduler", "Request", "RequestStatus", "Scheduler", "SchedulerStats", "route"]
+__all__ = [
+    "DeviceScheduler",
+    "PrefixCacheOptions",
+    "Request",
+    "RequestStatus",
+    "Scheduler",
+    "SchedulerStats",
+    "route",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixCacheOptions:
+    """Prefix caching of one engine (docs/prefix_cache.md).
+
+    Attributes:
+      salt: the key of "block -1" (:func:`~deepinfer_jax.cache.prefix.prefix_salt` of everything that changes
+        cache contents).
+      lookahead: tokens after a block that its cache entries depend on (1 for V3 drafting with its MTP layer,
+        which pairs each position with the next token; else 0).
+      snapshots: the model keeps per-sequence state outside the blocks (V4, V4.1): a hit needs a snapshot of
+        that state at its boundary.
+      snapshot_slots: state slots kept for snapshots (the last ones of the pool).
+      snapshots_per_step, copies_per_step: the fixed widths of a step's snapshots and slot copies, so that
+        taking or restoring snapshots never changes the compiled step.
+    """
+
+    salt: bytes = b""
+    lookahead: int = 0
+    snapshots: bool = False
+    snapshot_slots: int = 0
+    snapshots_per_step: int = 4
+    copies_per_step: int = 8
 
 
 class RequestStatus(enum.Enum):
@@ -155,6 +188,13 @@ class Request:
         # The drafts its slot's pool holds, as of its last processed step (constrained requests verify them
         # under per-row grammar masks).
         self.spec_drafts: tuple[int, ...] = ()
+        # Prefix caching: the keys of its full blocks so far, how many of its blocks are registered, the
+        # snapshots its dispatched steps write whose keys are not known yet ({blocks before the boundary: slot}),
+        # and the prompt tokens its first admission found cached (vLLM's num_cached_tokens).
+        self.block_keys: list[bytes] = []
+        self.num_registered = 0
+        self.snapshots: dict[int, int] = {}
+        self.num_cached_tokens = 0
 
     @property
     def is_group(self) -> bool:
@@ -255,6 +295,7 @@ class Request:
                 prompt_logprobs=copy(self.prompt_logprobs),
                 metrics=metrics,
                 finished=self.status is RequestStatus.FINISHED,
+                num_cached_tokens=self.num_cached_tokens,
             )
         return RequestOutput(
             request_id=self.request_id,
@@ -264,6 +305,7 @@ class Request:
             prompt_logprobs=copy(self.prompt_logprobs),
             metrics=self.metrics if final else dataclasses.replace(self.metrics),
             finished=self.status is RequestStatus.FINISHED,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
     def completion(self, copy: Callable[[Any], Any]) -> CompletionOutput:
@@ -313,6 +355,14 @@ class SchedulerStats:
     """``accepted_at[i]``: draft ``i + 1`` accepted."""
     confidence_error_sum: float = 0.0
     """``Σ |acceptance probability - confidence|`` over the verified drafts."""
+    prefix_cache_queries: int = 0
+    """Prefix caching: prompt tokens looked up at admission (vLLM's ``queries``)."""
+    prefix_cache_hits: int = 0
+    """Prefix caching: of those, tokens found cached (the prefill they skipped)."""
+    num_snapshots: int = 0
+    """Prefix caching: window-state snapshots written."""
+    num_snapshot_restores: int = 0
+    """Prefix caching: hits that restored a snapshot."""
 
     @property
     def num_draft_tokens(self) -> int:
@@ -385,8 +435,10 @@ class DeviceScheduler:
         num_draft_tokens: int = 0,
         force_drafts: bool = False,
         verify_planner: Any = None,
+        prefix_cache: PrefixCacheOptions | None = None,
     ) -> None:
         self.verify_planner = verify_planner
+        self.prefix_cache = prefix_cache
         self.grammar_compiler = grammar_compiler
         self.force_drafts = bool(force_drafts)
         self.num_draft_tokens = _positive("num_draft_tokens", num_draft_tokens, 0)
@@ -405,8 +457,23 @@ class DeviceScheduler:
                     f"Scheduler eos_token_ids: {t} is outside the vocabulary [0, {self.vocab_size})"
                 )
         slots = self.max_num_seqs + 1 if num_state_slots is None else num_state_slots
-        self.blocks = BlockAllocator(_positive("num_blocks", num_blocks, 2), self.block_size)
-        self.slots = StateSlotManager(_positive("num_state_slots", slots, 2))
+        num_blocks = _positive("num_blocks", num_blocks, 2)
+        slots = _positive("num_state_slots", slots, 2)
+        self.snapshots: SnapshotPool | None = None
+        if prefix_cache is None:
+            self.blocks = BlockAllocator(num_blocks, self.block_size)
+        else:
+            self.blocks = PrefixBlockPool(num_blocks, self.block_size)
+            kept = prefix_cache.snapshot_slots if prefix_cache.snapshots else 0
+            if not 0 <= kept <= slots - 2:
+                raise ValueError(
+                    f"Scheduler prefix_cache.snapshot_slots = {kept} must leave at least one live slot of the "
+                    f"{slots - 1}"
+                )
+            if kept:
+                slots -= kept
+                self.snapshots = SnapshotPool(slots, kept)
+        self.slots = StateSlotManager(slots)
         width = blocks_for_tokens(self.max_model_len, self.block_size)
         self.max_blocks_per_seq = (
             width if max_blocks_per_seq is None else _positive("max_blocks_per_seq", max_blocks_per_seq)
@@ -441,6 +508,7 @@ class DeviceScheduler:
         self._in_flight: dict[DeviceBatch, None] = {}
         self._block_copies: list[tuple[int, int]] = []  # forks' copies, made by the next step
         self._slot_copies: list[tuple[int, int]] = []
+        self._restores = 0  # prefix-cache hits of the step being planned that restore a snapshot
         self._order = 0
         self.stats = SchedulerStats()
 
@@ -615,6 +683,9 @@ class DeviceScheduler:
         self._slot_copies.clear()
         self.blocks.reset()
         self.slots.reset()
+        if self.snapshots is not None:
+            self.snapshots.reset()
+        self._restores = 0
         return dropped
 
     def _bad_words_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
@@ -720,6 +791,8 @@ class DeviceScheduler:
         """This device's rows of the next step, or ``None`` when nothing can run now (everything waits for
         in-flight tokens or a grammar compile, or there is no work)."""
         self._admit_compiled()
+        if self.snapshots is not None:
+            self.snapshots.begin_step()  # the slots this step restores are pinned from here on
         for req in list(self._running):
             if req.unforked and req.num_computed == req.feed_len:
                 self._fork(req)
@@ -731,30 +804,194 @@ class DeviceScheduler:
                 break
             if req.pending:
                 break  # a recompute needs every token on the host; strict FCFS waits for it
-            need = self.blocks.blocks_for(req.feed_len + self._draft_extra(True))
+            hit, restore = self._lookup(req)
+            if restore is not None and self._restores >= self._max_restores():
+                break  # the step's slot copies are full; it is admitted next step
+            start = len(hit) * self.block_size
+            need = self.blocks.blocks_for(req.feed_len + self._draft_extra(True)) - len(hit)
+            # Cached blocks nobody owns count as free until this request takes them.
+            taken = sum(self.blocks.is_evictable(b) for b in hit) if hit else 0
             # An unforked group also reserves its other samples' slots and copies of its partial last block.
             spare = req.params.n - 1 if req.unforked and req.feed_len % self.block_size else 0
-            if need + spare > self.blocks.num_free or self.slots.num_free < req.width:
+            if need + spare + taken > self.blocks.num_free or self.slots.num_free < req.width:
                 break
             self._waiting.popleft()
-            req.block_ids = self.blocks.allocate(need)
+            self._count_lookup(req, start)
+            if hit:
+                self.blocks.acquire(hit)
+            req.block_ids = hit + self.blocks.allocate(need)
+            req.num_registered = len(hit)
             req.slot = self.slots.allocate_one()
+            if restore is not None:
+                self._slot_copies.append((restore, req.slot))
+                self._restores += 1
+                self.stats.num_snapshot_restores += 1
             if req.unforked:
                 req.reserved_blocks = self.blocks.allocate(spare)
                 req.reserved_slots = self.slots.allocate(req.width - 1)
             req.status = RequestStatus.RUNNING
-            req.num_computed = 0
+            req.num_computed = start
             self._running.append(req)
-            q = min(req.feed_len, tokens_left)
+            q = min(req.feed_len - start, tokens_left)
             if q == 0:  # an unforked group of a one-token prompt: nothing is shared, it forks at once
                 self._fork(req)
                 continue
-            rows.append(ScheduledRow(req, 0, q, q == req.total_len, False, False))
+            rows.append(ScheduledRow(req, start, q, start + q == req.total_len, False, False))
             tokens_left -= q
 
         if not rows:
             return None
         return self._commit(self._fill_bucket(rows))
+
+    # ------------------------------------------------------------------------------------ prefix caching
+
+    def _reuses(self, req: Request) -> bool:
+        """Whether ``req`` may start from cached blocks. Not with prompt logprobs (every prompt token's logits are
+        wanted) nor with repetition / presence / frequency penalties: their per-slot token counts cover the tokens
+        the slot computed, and a restored slot's counts are another request's."""
+        if self.prefix_cache is None:
+            return False
+        p = req.params
+        return (
+            p.prompt_logprobs is None
+            and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0
+        )
+
+    def _keys(self, req: Request, count: int) -> list[bytes]:
+        """The keys of ``req``'s first ``count`` full blocks (as far as its known tokens reach), made once."""
+        opts = self.prefix_cache
+        assert opts is not None
+        have = len(req.block_keys)
+        if count > have and (have + 1) * self.block_size + opts.lookahead <= req.num_known:
+            req.block_keys += block_keys(
+                req.tokens(0, min(req.num_known, count * self.block_size + opts.lookahead)),
+                self.block_size,
+                salt=opts.salt,
+                first=have,
+                previous=req.block_keys[-1] if have else None,
+                lookahead=opts.lookahead,
+                count=count - have,
+            )
+        return req.block_keys[:count]
+
+    def _lookup(self, req: Request) -> tuple[list[int], int | None]:
+        """The cached blocks ``req`` starts from and the snapshot slot to restore (``None``: none needed).
+
+        The hit covers the longest cached chain of its full blocks that leaves at least one token to compute
+        (the last one must be sampled from); a model with per-sequence state also needs a snapshot at the hit's
+        boundary, so the hit steps back to the last boundary that has one."""
+        if not self._reuses(req) or req.feed_len <= self.block_size:
+            return [], None
+        limit = (req.feed_len - 1) // self.block_size
+        keys = self._keys(req, limit)
+        blocks = self.blocks.lookup(keys)  # type: ignore[attr-defined]
+        n = len(blocks)
+        if self.prefix_cache is not None and self.prefix_cache.snapshots:
+            pool = self.snapshots
+            while n and (pool is None or pool.get(keys[n - 1]) is None):
+                n -= 1
+            if n:
+                assert pool is not None
+                return blocks[:n], pool.restore(keys[n - 1])
+        return blocks[:n], None
+
+    def _count_lookup(self, req: Request, hit_tokens: int) -> None:
+        if self.prefix_cache is None:
+            return
+        if req.metrics.first_scheduled_time is None:
+            req.num_cached_tokens = hit_tokens
+        self.stats.prefix_cache_queries += req.feed_len
+        self.stats.prefix_cache_hits += hit_tokens
+
+    def _max_restores(self) -> int:
+        opts = self.prefix_cache
+        assert opts is not None
+        return max(opts.copies_per_step - opts.snapshots_per_step, 1)
+
+    def _cache_blocks(self, req: Request) -> None:
+        """Register ``req``'s full blocks whose tokens are known and whose cache entries a dispatched step
+        writes, and cache the snapshots whose boundary keys are now known."""
+        if self.prefix_cache is None or not req.block_ids:
+            return
+        done = min(req.num_computed, req.num_known - self.prefix_cache.lookahead) // self.block_size
+        done = min(done, len(req.block_ids))
+        if done > req.num_registered:
+            keys = self._keys(req, done)
+            done = len(keys)
+            for i in range(req.num_registered, done):
+                self.blocks.register(req.block_ids[i], keys[i])  # type: ignore[attr-defined]
+            req.num_registered = done
+        if req.snapshots and self.snapshots is not None:
+            for n in [n for n in req.snapshots if n <= req.num_registered]:
+                self.snapshots.commit(req.snapshots.pop(n), req.block_keys[n - 1])
+
+    def _drop_snapshots(self, req: Request) -> None:
+        """Free the snapshot slots whose boundary keys never became known (the request ended or was preempted
+        before its tokens arrived)."""
+        if req.snapshots and self.snapshots is not None:
+            for slot in req.snapshots.values():
+                self.snapshots.release(slot)
+        req.snapshots = {}
+
+    def _plan_snapshots(self, rows: Sequence[ScheduledRow]) -> list[tuple[int, int, int]]:
+        """The window-state snapshots this step writes: for rows whose positions the host knows (not a
+        speculative decode row, which the device places itself), at the block boundaries they pass, the
+        last boundary of each row first, at most ``snapshots_per_step``. A boundary already cached with a
+        snapshot is skipped."""
+        opts, pool = self.prefix_cache, self.snapshots
+        if opts is None or pool is None:
+            return []
+        bs = self.block_size
+        wanted: list[list[tuple[int, int]]] = []
+        for i, row in enumerate(rows):
+            req = row.request
+            end = row.start + row.length - row.num_drafts
+            if row.shifted or row.num_drafts or not self._reuses(req) or end < bs:
+                wanted.append([])
+                continue
+            known = [] if row.pending_input else self._keys(req, end // bs)
+            mine = []
+            for h in range(end // bs * bs, row.start, -bs):
+                n = h // bs
+                if n <= len(known) and pool.get(known[n - 1]) is not None:
+                    continue
+                mine.append((i, h))
+            wanted.append(mine)
+        out: list[tuple[int, int, int]] = []
+        depth = 0
+        while len(out) < opts.snapshots_per_step and any(depth < len(w) for w in wanted):
+            for mine in wanted:
+                if depth < len(mine) and len(out) < opts.snapshots_per_step:
+                    i, h = mine[depth]
+                    slot = pool.take()
+                    if slot is None:
+                        return out
+                    out.append((i, h, slot))
+            depth += 1
+        return out
+
+    def _sync_evictions(self) -> None:
+        """Drop the snapshots of blocks the pool evicted (a hit needs the blocks before the snapshot)."""
+        evicted = self.blocks.evicted  # type: ignore[attr-defined]
+        if evicted:
+            if self.snapshots is not None:
+                self.snapshots.discard(evicted)
+            evicted.clear()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block and snapshot (``LLM.reset_prefix_cache``); False without prefix caching."""
+        if self.prefix_cache is None:
+            return False
+        self.blocks.clear_cache()  # type: ignore[attr-defined]
+        self.blocks.evicted.clear()  # type: ignore[attr-defined]
+        if self.snapshots is not None:
+            self.snapshots.clear()
+        for req in self._running:
+            req.num_registered = len(req.block_ids)  # their blocks stay theirs, unregistered
+            self._drop_snapshots(req)
+        return True
 
     def _draft_extra(self, sample: bool) -> int:
         """Positions past a sampling row's context that its draft layer writes (drafts 2..K)."""
@@ -989,6 +1226,9 @@ class DeviceScheduler:
         self.stats.num_preemptions += 1
 
     def _release(self, req: Request) -> None:
+        self._cache_blocks(req)
+        self._drop_snapshots(req)
+        req.num_registered = 0
         if req.block_ids:
             self.blocks.free(reversed(req.block_ids))
             req.block_ids = []
@@ -1019,9 +1259,27 @@ class DeviceScheduler:
                 self.stats.num_decode_tokens += 1
             else:
                 self.stats.num_prefill_tokens += row.length
-        batch = DeviceBatch(tuple(rows), tuple(self._block_copies), tuple(self._slot_copies))
+        if self.prefix_cache is not None:
+            self._sync_evictions()
+        snapshots = self._plan_snapshots(rows)
+        if snapshots:
+            # A snapshot starts as a copy of the row's slot as the step begins (a slot restored or cloned by
+            # this step begins as its source), to which the step adds the row's newest window items.
+            begins = {dst: src for src, dst in self._slot_copies}
+            for i, h, slot in snapshots:
+                req = rows[i].request
+                self._slot_copies.append((begins.get(req.slot, req.slot), slot))
+                req.snapshots[h // self.block_size] = slot
+            self.stats.num_snapshots += len(snapshots)
+        if self.prefix_cache is not None:
+            for row in rows:
+                self._cache_blocks(row.request)
+        batch = DeviceBatch(
+            tuple(rows), tuple(self._block_copies), tuple(self._slot_copies), tuple(snapshots)
+        )
         self._block_copies.clear()
         self._slot_copies.clear()
+        self._restores = 0
         self._in_flight[batch] = None
         self.stats.num_steps += 1
         self.stats.num_scheduled_tokens += batch.num_tokens
@@ -1116,6 +1374,8 @@ class DeviceScheduler:
                 self._append_token(req, int(tokens[i]), i, arrays, now)
             else:
                 self._append_run(req, row, tokens[i], int(accepted[i]), i, arrays, now, verified)
+            if req.status is RequestStatus.RUNNING:
+                self._cache_blocks(req)
             if req.status is RequestStatus.FINISHED:
                 done = self._final_output(req)
                 if done is not None:
@@ -1393,6 +1653,18 @@ class Scheduler:
         # The loads as of the last change that went through this object (a batch of add_request calls between
         # two steps updates it incrementally instead of walking every request once per add); None: recompute.
         self._loads: list[list[int]] | None = None
+        opts = first.prefix_cache
+        # With snapshots every step carries slot copies and snapshots of fixed widths: taking or restoring one
+        # never changes the compiled step.
+        self._min_copies = (
+            (1, opts.copies_per_step, opts.snapshots_per_step)
+            if opts is not None and first.snapshots is not None
+            else (0, 0, 0)
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block and snapshot on every device (False: prefix caching is off)."""
+        return all([s.reset_prefix_cache() for s in self.devices])
 
     @property
     def num_devices(self) -> int:
@@ -1548,6 +1820,7 @@ class Scheduler:
             num_draft_tokens=self.num_draft_tokens,
             force_drafts=self.force_drafts,
             device_resplit=self.devices[0].verify_planner is not None,
+            min_copies=self._min_copies,
         )
         if plan.mask_seconds:
             self.devices[0].stats.num_masked_steps += 1

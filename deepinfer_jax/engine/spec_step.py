@@ -129,7 +129,13 @@ def spec_device_step(
 
     # 4. The model, and the LM head on every verification row.
     meta = make_meta(
-        inputs.token_seq, positions, inputs.query_start, context_lens, inputs.seq_slots, inputs.block_tables
+        inputs.token_seq,
+        positions,
+        inputs.query_start,
+        context_lens,
+        inputs.seq_slots,
+        inputs.block_tables,
+        inputs.snapshots,
     )
     hidden, cache = model.forward_hidden(params, cache, token_ids, meta, tile=tile)
     j = jnp.arange(k + 1, dtype=jnp.int32)

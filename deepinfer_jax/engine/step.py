@@ -313,6 +313,7 @@ def device_step(
         inputs.context_lens,
         inputs.seq_slots,
         inputs.block_tables,
+        inputs.snapshots,
     )
     tile = BATCH_INVARIANT_TILE if batch_invariant else None
     prompt_out = None
