@@ -22,6 +22,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 # Speculative decoding is on by default for models with draft layers (tiny-v3's MTP layer); tests that are not
 # about it run without drafts, and those that are pass num_draft_tokens themselves.
 os.environ.setdefault("DEEPINFER_USE_NEXTN_DECODE", "0")
+# Prefix caching is on by default too; a hit prefills fewer rows (float32 results move by ~1e-6), so tests that
+# are not about it run without, and those that are pass enable_prefix_caching themselves.
+os.environ.setdefault("DEEPINFER_ENABLE_PREFIX_CACHING", "0")
 # Built-in tiny models are materialised once per checkout, shared by all xdist workers (file-locked).
 os.environ.setdefault(
     "DEEPINFER_JAX_CACHE",

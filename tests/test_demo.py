@@ -16,6 +16,7 @@ def test_demo_continues_a_play_with_shakespeare_v41_the_engine_and_chat():
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
     env.pop("DEEPINFER_USE_NEXTN_DECODE", None)  # as a user runs it: the suite's pin off, the drafter on
+    env.pop("DEEPINFER_ENABLE_PREFIX_CACHING", None)  # and the prefix cache on
     res = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "demo.py"), "--max_tokens", "12"],
         capture_output=True,

@@ -38,8 +38,14 @@ def prefix_salt(**fields: object) -> bytes:
 
 
 def block_keys(
-    tokens: np.ndarray, block_size: int, *, salt: bytes, first: int = 0, previous: bytes | None = None,
-    lookahead: int = 0, count: int | None = None,
+    tokens: np.ndarray,
+    block_size: int,
+    *,
+    salt: bytes,
+    first: int = 0,
+    previous: bytes | None = None,
+    lookahead: int = 0,
+    count: int | None = None,
 ) -> list[bytes]:
     """Chained keys of full blocks ``first, first + 1, ...`` of ``tokens`` (the whole sequence so far).
 
@@ -102,7 +108,9 @@ class PrefixBlockPool(BlockAllocator):
     def allocate(self, n: int) -> list[int]:
         n = _check_int("number of blocks requested", n, 0)
         if n > self.num_free:
-            raise CacheExhaustedError(f"cannot allocate {n} block(s): {self.num_free} of {self.capacity} are free")
+            raise CacheExhaustedError(
+                f"cannot allocate {n} block(s): {self.num_free} of {self.capacity} are free"
+            )
         ids = [self._free.popleft() for _ in range(min(n, len(self._free)))]
         while len(ids) < n:  # evict the least recently freed cached block
             block, _ = self._evictable.popitem(last=False)
@@ -217,7 +225,9 @@ class SnapshotPool:
         self._free: collections.deque[int] = collections.deque(range(first, first + size))
         self._slot_of: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
-        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached slots, oldest first
+        self._lru: collections.OrderedDict[int, None] = (
+            collections.OrderedDict()
+        )  # cached slots, oldest first
         self._pinned: set[int] = set()
         self.num_evictions = 0
 

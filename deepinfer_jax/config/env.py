@@ -23,6 +23,7 @@ from typing import Any, Literal
 from deepinfer_jax.config.errors import ConfigValueError, ConfigWarning
 
 __all__ = [
+    "ADDED_ENV_VARS",
     "ENV_VARS",
     "PROJECT_ENV_VARS",
     "EnvVar",
@@ -431,6 +432,10 @@ ENV_VARS: dict[str, EnvVar] = {
     )
 }
 """Every ``DEEPINFER_*`` variable of spec/engine.md §14."""
+
+ADDED_ENV_VARS: tuple[str, ...] = ("DEEPINFER_ENABLE_PREFIX_CACHING",)
+"""Engine settings of :data:`ENV_VARS` that this project adds to the reference's variables (features DeepInfer's
+engine lacks); every other entry is one of the reference's."""
 
 PROJECT_ENV_VARS: dict[str, str] = {
     "DEEPINFER_JAX_CACHE": "cache directory of materialised built-in models (read by deepinfer_jax.models.builtin)",

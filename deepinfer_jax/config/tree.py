@@ -604,8 +604,15 @@ class EngineConfig(Checked):
 
     @property
     def num_state_slots(self) -> int:
-        """State slots, ``int(max_num_seqs * cache.state_slots_ratio) + 1`` (slot 0 reserved)."""
-        return int(self.scheduler.max_num_seqs * self.cache.state_slots_ratio) + 1
+        """State slots, ``int(max_num_seqs * cache.state_slots_ratio) + 1`` (slot 0 reserved); an unset ratio is
+        2.0 where the engine keeps window-state snapshots (prefix caching of a V4 / V4.1 model), else 1.0."""
+        ratio = self.cache.state_slots_ratio
+        if ratio is None:
+            family = (
+                None if self.model is None else str(getattr(self.model.family, "value", self.model.family))
+            )
+            ratio = 2.0 if self.cache.enable_prefix_caching and family not in (None, "deepseek_v3") else 1.0
+        return int(self.scheduler.max_num_seqs * ratio) + 1
 
     @property
     def resolved_tokenizer(self) -> str | None:

@@ -163,3 +163,27 @@ def test_requests_that_do_not_reuse() -> None:
         assert _run(llm, [stem], params)[0].num_cached_tokens == 0
     assert _run(llm, [stem], SamplingParams(max_tokens=2))[0].num_cached_tokens == 3 * BLOCK
     assert not LLM("tiny-v3", dtype="float32", enable_prefix_caching=False).reset_prefix_cache()
+
+
+def test_hits_on_a_mesh() -> None:
+    """dp = 2: each device caches the blocks and snapshots of the sequences it owns (routing is by load, not by
+    prefix: two requests at a time go to devices 0 and 1, as their stems did); every request gets the tokens of
+    a cold run."""
+    llm = LLM(
+        "tiny-v4",
+        dtype="float32",
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        data_parallel_size=2,
+        enable_prefix_caching=True,
+        **{"cache.block_size": BLOCK, "cache.num_blocks": 41},
+    )
+    stems = [_stem(llm, 3 * BLOCK + 2, seed=30 + i) for i in range(2)]
+    pairs = [[s[: 2 * BLOCK + 1 + i] for s in stems] for i in range(2)]
+    cold = [_cold(llm, p) for pair in pairs for p in pair]
+    llm.reset_prefix_cache()
+    _run(llm, stems)
+    hot = [out for pair in pairs for out in _run(llm, pair)]
+    assert [h.num_cached_tokens for h in hot] == [2 * BLOCK] * 4
+    for h, c in zip(hot, cold, strict=True):
+        _same(h, c)

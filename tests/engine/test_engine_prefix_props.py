@@ -99,7 +99,9 @@ class RingDevice:
         return out
 
 
-def check_invariants(sched: OneDevice, plan: Step, device: RingDevice, truth: dict[bytes, np.ndarray]) -> None:
+def check_invariants(
+    sched: OneDevice, plan: Step, device: RingDevice, truth: dict[bytes, np.ndarray]
+) -> None:
     plan.validate(block_size=sched.block_size)
     pool = sched.blocks
     pool.check_consistency()  # no block both free and cached, no negative refcount, nothing lost
@@ -162,7 +164,9 @@ def scenarios(draw: st.DrawFn) -> dict:
 def drive(scenario: dict) -> tuple[OneDevice, dict[str, RequestOutput]]:
     config, specs, depth = scenario["config"], scenario["specs"], scenario["depth"]
     sched = OneDevice(**config)
-    device = RingDevice(config["num_blocks"], config["block_size"], config["num_state_slots"], scenario["ring"])
+    device = RingDevice(
+        config["num_blocks"], config["block_size"], config["num_state_slots"], scenario["ring"]
+    )
     arrivals = sorted(range(len(specs)), key=lambda i: specs[i].arrival)
     in_flight: collections.deque[tuple[Step, np.ndarray]] = collections.deque()
     results: dict[str, RequestOutput] = {}
@@ -207,7 +211,10 @@ def test_prefix_hits_keep_every_request_its_solo_tokens(scenario: dict) -> None:
     capacity = min(config["num_blocks"] - 1, sched.max_blocks_per_seq)
     for i, spec in enumerate(specs):
         reason, tokens = reference(
-            spec, max_model_len=config["max_model_len"], capacity_blocks=capacity, block_size=config["block_size"]
+            spec,
+            max_model_len=config["max_model_len"],
+            capacity_blocks=capacity,
+            block_size=config["block_size"],
         )
         completion = results[str(i)].outputs[0]
         assert (completion.finish_reason, completion.token_ids) == (reason, tokens), (i, spec)
@@ -233,7 +240,11 @@ def _hits_scenario(snapshots: bool) -> dict:
     }
     stem = [3, 4, 5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # 4.5 blocks
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    specs = [Spec(stem + [2], params, 1, 0), Spec(stem + [3, 4], params, 2, 3), Spec(stem[:16], params, 3, 30)]
+    specs = [
+        Spec([*stem, 2], params, 1, 0),
+        Spec([*stem, 3, 4], params, 2, 3),
+        Spec(stem[:16], params, 3, 30),
+    ]
     return {"config": config, "specs": specs, "depth": 1, "ring": 5 if snapshots else 1}
 
 
@@ -253,7 +264,10 @@ def test_hits_are_counted_and_skip_the_cached_prefill() -> None:
         assert (st.num_snapshot_restores > 0) == snapshots
         for i, spec in enumerate(scenario["specs"]):
             expected = reference(spec, max_model_len=40, capacity_blocks=39, block_size=4)
-            assert (results[str(i)].outputs[0].finish_reason, results[str(i)].outputs[0].token_ids) == expected
+            assert (
+                results[str(i)].outputs[0].finish_reason,
+                results[str(i)].outputs[0].token_ids,
+            ) == expected
 
 
 def test_reset_prefix_cache_forgets_everything() -> None:
