@@ -157,6 +157,10 @@ def test_construction_errors(tmp_path):
         LLM("tiny-v4", dtype="float32", kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="max_model_len"):
         _engine(max_model_len=1000)
+    with pytest.raises(
+        ValueError, match=r"max_model_len: 4096 tokens exceed the model's max_position_embeddings = 2048"
+    ):
+        LLM("tiny-v3", max_model_len=4096)
     with pytest.raises(ValueError, match="kv_cache_memory"):
         LLM("tiny-v3", dtype="float32", kv_cache_memory="1KiB")
     with pytest.raises(TypeError, match="max_num_seqs"):
