@@ -47,13 +47,60 @@ class PagedModel(abc.ABC):
     def init_cache(self, num_blocks: int, num_slots: int, sharding: Any = None) -> Any:
         """A zeroed cache pytree for ``num_blocks`` blocks (block 0 reserved) and ``num_slots`` state slots."""
 
+    block_axis: int = 0
+    """The block axis of the per-block leaves of :meth:`cache_parts` (per-slot leaves have their slot axis 0)."""
+
+    def cache_parts(self, cache: Any) -> tuple[Any, Any]:
+        """``(per-block leaves, per-slot leaves)`` of the cache: what a block of positions and what a sequence's
+        state slot own (``None`` for a part the family does not have)."""
+        from deepinfer_jax.cache.stores import CompressedCache
+
+        if isinstance(cache, CompressedCache):  # V4 / V4.1
+            return (cache.kv, cache.ik), (cache.window, cache.state, cache.engram, cache.draft)
+        raise NotImplementedError(f"{type(self).__name__} does not say which cache leaves are per block")
+
+    def with_parts(self, cache: Any, blocks: Any, slots: Any) -> Any:
+        """``cache`` with the parts of :meth:`cache_parts` replaced."""
+        kv, ik = blocks
+        window, state, engram, draft = slots
+        return cache._replace(kv=kv, ik=ik, window=window, state=state, engram=engram, draft=draft)
+
     def copy_cache(
         self, cache: Any, block_src: jax.Array, block_dst: jax.Array, slot_src: jax.Array, slot_dst: jax.Array
     ) -> Any:
         """The cache with blocks ``block_dst`` holding copies of ``block_src`` (every layer, every per-block
         store) and state slots ``slot_dst`` holding clones of ``slot_src`` (every per-sequence store); -1
-        destinations are skipped. What a fork of ``n > 1`` samples does before its children run."""
-        raise NotImplementedError(f"{type(self).__name__} cannot copy cache blocks or state slots")
+        destinations are skipped. What a fork of ``n > 1`` samples and prefix caching's snapshots do."""
+        blocks, slots = self.cache_parts(cache)
+        return self.with_parts(
+            cache,
+            copy_tree(blocks, block_src, block_dst, axis=self.block_axis),
+            copy_tree(slots, slot_src, slot_dst),
+        )
+
+    def read_cache(self, cache: Any, blocks: jax.Array, slots: jax.Array) -> tuple[Any, Any]:
+        """The contents of ``blocks`` and ``slots`` (int32 ``[K]``, clamped; read what is valid): the per-block
+        leaves with ``K`` on their block axis, the per-slot leaves with ``K`` first (prefix caching's host tier)."""
+        b, s = self.cache_parts(cache)
+        take = lambda x, i, axis: jnp.take(x, jnp.clip(i, 0, x.shape[axis] - 1), axis=axis)  # noqa: E731
+        return (
+            jax.tree.map(lambda x: take(x, blocks, self.block_axis), b),
+            jax.tree.map(lambda x: take(x, slots, 0), s),
+        )
+
+    def write_cache(self, cache: Any, blocks: jax.Array, slots: jax.Array, data: tuple[Any, Any]) -> Any:
+        """``cache`` with :meth:`read_cache`'s ``data`` written back into ``blocks`` and ``slots`` (-1 = skip)."""
+        b, s = self.cache_parts(cache)
+
+        def put(x: jax.Array, d: jax.Array, ids: jax.Array, axis: int) -> jax.Array:
+            index = (slice(None),) * axis + (jnp.where(ids >= 0, ids, x.shape[axis]),)
+            return x.at[index].set(d.astype(x.dtype), mode="drop")
+
+        return self.with_parts(
+            cache,
+            jax.tree.map(lambda x, d: put(x, d, blocks, self.block_axis), b, data[0]),
+            jax.tree.map(lambda x, d: put(x, d, slots, 0), s, data[1]),
+        )
 
     @abc.abstractmethod
     def forward(

@@ -29,7 +29,7 @@ from deepinfer_jax.config.v3 import DeepseekV3Config
 from deepinfer_jax.models.common import embed_tokens, linear, lm_head
 from deepinfer_jax.models.deepseek_v3 import model as v3_model
 from deepinfer_jax.models.deepseek_v3.attention import mla_project
-from deepinfer_jax.models.paged import CacheLayout, PagedModel, copy_tree
+from deepinfer_jax.models.paged import CacheLayout, PagedModel
 from deepinfer_jax.ops.registry import select
 from deepinfer_jax.ops.tiling import rowwise
 
@@ -265,9 +265,14 @@ class V3PagedModel(PagedModel):
     def init_cache(self, num_blocks: int, num_slots: int) -> Any:
         return init_latent_cache(self.latent_spec(num_blocks))
 
-    def copy_cache(self, cache: Any, block_src: Any, block_dst: Any, slot_src: Any, slot_dst: Any) -> Any:
-        """The latent pages ``[layers, blocks, block_size, width]`` (V3 keeps no per-slot state in the cache)."""
-        return copy_tree(cache, block_src, block_dst, axis=1)
+    block_axis = 1  # the latent pages are [layers, blocks, block_size, width]
+
+    def cache_parts(self, cache: Any) -> tuple[Any, Any]:
+        """All of the cache is per block: V3 keeps no per-slot state in it."""
+        return cache, None
+
+    def with_parts(self, cache: Any, blocks: Any, slots: Any) -> Any:
+        return blocks
 
     def forward(
         self,

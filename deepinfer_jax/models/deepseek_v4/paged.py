@@ -77,7 +77,7 @@ from deepinfer_jax.models.deepseek_v4.attention import (
 )
 from deepinfer_jax.models.deepseek_v4.mhc import hc_collapse, hc_expand, hc_head, hc_mixes
 from deepinfer_jax.models.deepseek_v4.model import V4Plan, moe_layer, numerics_for
-from deepinfer_jax.models.paged import CacheLayout, PagedModel, copy_tree
+from deepinfer_jax.models.paged import CacheLayout, PagedModel
 from deepinfer_jax.ops import apply_rope, rms_norm, rope_cos_sin
 from deepinfer_jax.ops import get as get_op
 from deepinfer_jax.ops.sparse_attention import entry_slots
@@ -268,15 +268,6 @@ class V4PagedModel(PagedModel):
             ik=tuple(self.indexer.zeros(num_blocks, self.block_size // s.ratio) for s in sparse),
             state=tuple(rings(s, s.head_dim) for s in compressed)
             + tuple(rings(s, s.index_dim) for s in sparse),
-        )
-
-    def copy_cache(self, cache: Any, block_src: Any, block_dst: Any, slot_src: Any, slot_dst: Any) -> Any:
-        """Compressed and indexer pages by block; window rings and compression state by slot."""
-        return cache._replace(
-            window=copy_tree(cache.window, slot_src, slot_dst),
-            kv=copy_tree(cache.kv, block_src, block_dst),
-            ik=copy_tree(cache.ik, block_src, block_dst),
-            state=copy_tree(cache.state, slot_src, slot_dst),
         )
 
     # ------------------------------------------------------------------------------------------ forward

@@ -94,7 +94,7 @@ from deepinfer_jax.models.deepseek_v4.v41_compressor import (
     indexer_scores,
 )
 from deepinfer_jax.models.deepseek_v4.v41_model import V41Static, moe_layer
-from deepinfer_jax.models.paged import CacheLayout, PagedModel, copy_rows, copy_tree
+from deepinfer_jax.models.paged import CacheLayout, PagedModel
 from deepinfer_jax.ops import apply_rope, rms_norm, rope_cos_sin
 from deepinfer_jax.ops import get as get_op
 from deepinfer_jax.ops.sparse_attention import entry_slots
@@ -383,18 +383,6 @@ class V41PagedModel(PagedModel):
                 jnp.zeros((num_slots, self.window_ring, self.head_dim), jnp.dtype(self.dtype))
                 for _ in range(draft_layers)
             ),
-        )
-
-    def copy_cache(self, cache: Any, block_src: Any, block_dst: Any, slot_src: Any, slot_dst: Any) -> Any:
-        """Compressed and indexer pages by block; window rings, C2 pending rings, the Engram history and the
-        draft context-key rings by slot."""
-        return cache._replace(
-            window=copy_tree(cache.window, slot_src, slot_dst),
-            kv=copy_tree(cache.kv, block_src, block_dst),
-            ik=copy_tree(cache.ik, block_src, block_dst),
-            state=copy_tree(cache.state, slot_src, slot_dst),
-            engram=None if cache.engram is None else copy_rows(cache.engram, slot_src, slot_dst),
-            draft=copy_tree(cache.draft, slot_src, slot_dst),
         )
 
     # -------------------------------------------------------------------------------------- forward
