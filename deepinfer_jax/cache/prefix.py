@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
 from deepinfer_jax.cache.blocks import BlockAllocator, CacheExhaustedError, _check_int
 
-__all__ = ["PrefixBlockPool", "SnapshotPool", "block_keys", "prefix_salt"]
+__all__ = ["HostEntry", "HostTier", "PrefixBlockPool", "SnapshotPool", "block_keys", "prefix_salt"]
 
 
 def prefix_salt(**fields: object) -> bytes:
@@ -79,8 +80,9 @@ class PrefixBlockPool(BlockAllocator):
         self._block_of: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self.evicted: list[bytes] = []
-        """Keys evicted since the caller last cleared this list (the scheduler drops their snapshots)."""
+        self.evicted: list[tuple[bytes, int]] = []
+        """``(key, block)`` evicted since the caller last cleared this list (the scheduler drops their snapshots
+        or saves both to the host tier, before the step that reuses the block)."""
         self.num_evictions = 0
 
     # ---------------------------------------------------------------- pool
@@ -114,7 +116,7 @@ class PrefixBlockPool(BlockAllocator):
         ids = [self._free.popleft() for _ in range(min(n, len(self._free)))]
         while len(ids) < n:  # evict the least recently freed cached block
             block, _ = self._evictable.popitem(last=False)
-            self.evicted.append(self._unregister(block))
+            self.evicted.append((self._unregister(block), block))
             self.num_evictions += 1
             ids.append(block)
         self._refs[ids] = 1
@@ -177,7 +179,6 @@ class PrefixBlockPool(BlockAllocator):
         """Forget every key (``LLM.reset_prefix_cache``): evictable blocks return to the free list, owned ones
         stay with their owners. Returns the blocks forgotten."""
         n = len(self._key_of)
-        self.evicted.extend(self._key_of.values())
         self._free.extend(self._evictable)
         self._evictable.clear()
         self._key_of.clear()
@@ -230,6 +231,8 @@ class SnapshotPool:
         )  # cached slots, oldest first
         self._pinned: set[int] = set()
         self.num_evictions = 0
+        self.evicted: list[tuple[bytes, int]] = []
+        """``(key, slot)`` of snapshots evicted by :meth:`take` since the caller last cleared this list."""
 
     def reset(self) -> None:
         self.__init__(self.first, self.size)  # type: ignore[misc]
@@ -255,6 +258,7 @@ class SnapshotPool:
             return self._free.popleft()
         for slot in self._lru:
             if slot not in self._pinned:
+                self.evicted.append((self._key_of[slot], slot))
                 self._drop(slot)
                 self.num_evictions += 1
                 self._free.popleft()
@@ -275,12 +279,15 @@ class SnapshotPool:
         """Return an uncommitted slot from :meth:`take`."""
         self._free.append(slot)
 
-    def discard(self, keys: Iterable[bytes]) -> None:
-        """Drop the snapshots of ``keys`` (their blocks were evicted)."""
+    def discard(self, keys: Iterable[bytes]) -> list[tuple[bytes, int]]:
+        """Drop the snapshots of ``keys`` (their blocks were evicted); returns the ``(key, slot)`` dropped."""
+        out = []
         for key in keys:
             slot = self._slot_of.get(key)
             if slot is not None:
+                out.append((key, slot))
                 self._drop(slot)
+        return out
 
     def clear(self) -> None:
         for slot in list(self._lru):
@@ -306,3 +313,106 @@ class SnapshotPool:
             raise AssertionError("snapshot slots are lost")
         if set(self._key_of) != cached or len(self._slot_of) != len(cached):
             raise AssertionError("snapshot maps disagree")
+
+
+class HostEntry:
+    """One block's or one snapshot's contents in host memory.
+
+    ``data`` is set by the executor when the step that saves it is dispatched: a lazy reference into the
+    gathered device arrays (their copy to the host runs asynchronously), turned into numpy arrays the first time
+    it is read (:meth:`numpy`). ``kind`` is ``"block"`` or ``"state"``.
+    """
+
+    __slots__ = ("_arrays", "_ref", "expires", "key", "kind", "nbytes")
+
+    def __init__(self, key: bytes, kind: str, nbytes: int, expires: float) -> None:
+        self.key, self.kind, self.nbytes, self.expires = key, kind, int(nbytes), float(expires)
+        self._ref: tuple | None = None
+        self._arrays: object | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._ref is not None or self._arrays is not None
+
+    def attach(self, tree: object, index: tuple[int, int], axis: object) -> None:
+        """The gathered tree (leaves ``[D, ...]``), this entry's ``(device, position)`` in it, and the gathered
+        axis of each leaf (a pytree of ints, or one int)."""
+        self._ref = (tree, index, axis)
+
+    def store(self, arrays: object) -> None:
+        """Set the contents directly (host arrays)."""
+        self._arrays, self._ref = arrays, None
+
+    def numpy(self) -> object:
+        if self._arrays is None:
+            import jax
+
+            assert self._ref is not None, "a host entry was read before its save was dispatched"
+            tree, (d, j), axis = self._ref
+
+            def host(x: object) -> np.ndarray:
+                return np.asarray(jax.device_get(x))[d]  # explicit: the engine's transfer guard allows it
+
+            if isinstance(axis, int):
+                self._arrays = jax.tree.map(lambda x: np.take(host(x), j, axis=axis), tree)
+            else:
+                self._arrays = jax.tree.map(lambda x, a: np.take(host(x), j, axis=a), tree, axis)
+            self._ref = None
+        return self._arrays
+
+
+class HostTier:
+    """Prefix caching's host-memory tier: blocks and snapshots evicted from one device, LRU within
+    ``capacity`` bytes, each expiring ``ttl_s`` seconds after it was stored (or last used)."""
+
+    def __init__(self, capacity: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.capacity, self.ttl_s, self._clock = int(capacity), float(ttl_s), clock
+        self._entries: collections.OrderedDict[tuple[str, bytes], HostEntry] = collections.OrderedDict()
+        self.nbytes = 0
+        self.num_stored = self.num_loaded = self.num_expired = self.num_dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def reset(self) -> None:
+        self._entries.clear()
+        self.nbytes = 0
+
+    def get(self, kind: str, key: bytes) -> HostEntry | None:
+        """The ready entry of ``(kind, key)`` (made most recently used), or ``None`` (absent, expired, or its save
+        not dispatched yet)."""
+        entry = self._entries.get((kind, key))
+        if entry is None or not entry.ready:
+            return None
+        now = self._clock()
+        if entry.expires <= now:
+            self._remove((kind, key))
+            self.num_expired += 1
+            return None
+        entry.expires = now + self.ttl_s
+        self._entries.move_to_end((kind, key))
+        return entry
+
+    def put(self, kind: str, key: bytes, nbytes: int) -> HostEntry | None:
+        """A new entry for ``(kind, key)``, its data to be attached by the executor; ``None`` when it can never
+        fit or is held already. Expired entries go first, then the least recently used ones."""
+        if nbytes > self.capacity or (kind, key) in self._entries:
+            return None
+        self.expire()
+        while self.nbytes + nbytes > self.capacity:
+            self._remove(next(iter(self._entries)))
+            self.num_dropped += 1
+        entry = HostEntry(key, kind, nbytes, self._clock() + self.ttl_s)
+        self._entries[(kind, key)] = entry
+        self.nbytes += entry.nbytes
+        self.num_stored += 1
+        return entry
+
+    def expire(self) -> None:
+        now = self._clock()
+        for k in [k for k, e in self._entries.items() if e.expires <= now]:
+            self._remove(k)
+            self.num_expired += 1
+
+    def _remove(self, k: tuple[str, bytes]) -> None:
+        self.nbytes -= self._entries.pop(k).nbytes

@@ -126,6 +126,15 @@ FIELDS: dict[str, Setting] = {
     "cache.enable_prefix_caching": _honoured(
         "reuse cached prefix blocks of earlier requests (LLM(enable_prefix_caching=))"
     ),
+    "cache.host_memory": _honoured(
+        "host-memory tier of blocks and snapshots evicted from the device (bytes for the whole engine)",
+        warn_if=lambda cfg: (
+            "it holds prefix-cache entries, and cache.enable_prefix_caching is off"
+            if cfg.cache.host_memory and not cfg.cache.enable_prefix_caching
+            else None
+        ),
+    ),
+    "cache.host_ttl_s": _honoured("lifetime of a host-tier entry after it was stored or last used"),
     "cache.max_backtracking_tokens": _no_effect(
         "no effect: the engine gives every V4.1 per-slot ring the DSpark block size B as its rollback margin "
         "(the most a speculative step can reject, docs/speculative.md); a larger margin has no use yet"

@@ -72,6 +72,9 @@ class CacheConfig(Checked):
             sequence, the rest hold prefix caching's window-state snapshots (V4 / V4.1). ``None`` = 2.0 when the
             engine keeps snapshots, else 1.0 (docs/prefix_cache.md).
         enable_prefix_caching: reuse the cached blocks of earlier requests' prefixes (docs/prefix_cache.md).
+        host_memory: bytes of host memory (the whole engine's, split over its devices) for cached blocks and
+            snapshots evicted from device memory (0 = no host tier).
+        host_ttl_s: seconds a host-tier entry lives after it was stored or last used.
         max_backtracking_tokens: rollback margin of the window/compression rings; the effective value is
             ``max(this, num_draft_tokens + 1)`` (:attr:`EngineConfig.backtracking_tokens`).
         store_extra_window_state / extra_window_tokens: enlarge the sliding-window rings by this many tokens so
@@ -85,6 +88,8 @@ class CacheConfig(Checked):
     num_blocks: int | None = None
     state_slots_ratio: float | None = None
     enable_prefix_caching: bool = True
+    host_memory: int = 0
+    host_ttl_s: float = 7 * 86400.0
     max_backtracking_tokens: int = 0
     store_extra_window_state: bool = False
     extra_window_tokens: int = 128
@@ -100,6 +105,8 @@ class CacheConfig(Checked):
         check_range("cache.num_blocks", self.num_blocks, ge=2)  # block 0 is the reserved null block
         check_range("cache.state_slots_ratio", self.state_slots_ratio, ge=1.0)
         check_range("cache.max_backtracking_tokens", self.max_backtracking_tokens, ge=0)
+        check_range("cache.host_memory", self.host_memory, ge=0)
+        check_range("cache.host_ttl_s", self.host_ttl_s, gt=0.0)
         check_range("cache.extra_window_tokens", self.extra_window_tokens, ge=0)
 
 

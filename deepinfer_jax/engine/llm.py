@@ -315,6 +315,8 @@ def _prefix_options(
     dtype: str,
     kv_cache_dtype: str,
     num_draft_tokens: int,
+    num_devices: int = 1,
+    multi_process: bool = False,
 ) -> PrefixCacheOptions | None:
     """Prefix caching's options for this engine, or ``None`` when ``cache.enable_prefix_caching`` is off."""
     cache = config.cache
@@ -344,6 +346,12 @@ def _prefix_options(
         replay=(config.scheduler.yoco_truncation, config.scheduler.yoco_keep_tokens),
         lookahead=lookahead,
     )
+    host = cache.host_memory // num_devices
+    if host and multi_process:
+        raise ValueError(
+            f"cache.host_memory = {cache.host_memory}: the host-memory tier needs a mesh in one process (each "
+            "process would hold only its own devices' blocks); set it to 0 for a multi-process run"
+        )
     return PrefixCacheOptions(
         salt=salt,
         lookahead=lookahead,
@@ -351,6 +359,10 @@ def _prefix_options(
         snapshot_slots=slots,
         snapshots_per_step=PREFIX_SNAPSHOTS_PER_STEP,
         copies_per_step=PREFIX_COPIES_PER_STEP,
+        host_memory=host,
+        host_ttl_s=cache.host_ttl_s,
+        block_bytes=layout.bytes_per_block,
+        slot_bytes=layout.bytes_per_slot if snapshots else 0,
     )
 
 
@@ -634,7 +646,15 @@ class LLM:
             draft_tokens=self.num_draft_tokens,
         )
         self.prefix_cache = _prefix_options(
-            config, self.paged_model, max_num_seqs, model_dir, dtype, kv_cache_dtype, self.num_draft_tokens
+            config,
+            self.paged_model,
+            max_num_seqs,
+            model_dir,
+            dtype,
+            kv_cache_dtype,
+            self.num_draft_tokens,
+            num_devices,
+            distributed.is_multi_process(config.parallel),
         )
         """Prefix caching's settings (``None``: off; docs/prefix_cache.md)."""
         snapshot_slots = 0 if self.prefix_cache is None else self.prefix_cache.snapshot_slots

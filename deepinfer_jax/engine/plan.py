@@ -152,6 +152,12 @@ class DeviceBatch:
     prefix-cache hit's restored snapshot, the start of a new snapshot)."""
     snapshots: tuple[tuple[int, int, int], ...] = ()
     """``(row, boundary, slot)``: window-state snapshots the step writes (prefix caching, docs/prefix_cache.md)."""
+    host_saves: tuple[tuple[Any, int, int], ...] = ()
+    """``(host entry, block, slot)``: evicted blocks and snapshots the executor copies to the host tier before
+    the step runs (``-1`` = none of that kind)."""
+    host_loads: tuple[tuple[Any, int, int], ...] = ()
+    """``(host entry, block, slot)``: host-tier blocks and snapshots copied back before the step runs (after
+    the saves)."""
 
     @property
     def num_tokens(self) -> int:

@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from deepinfer_jax.cache.blocks import BlockAllocator, StateSlotManager, blocks_for_tokens
-from deepinfer_jax.cache.prefix import PrefixBlockPool, SnapshotPool, block_keys
+from deepinfer_jax.cache.prefix import HostEntry, HostTier, PrefixBlockPool, SnapshotPool, block_keys
 from deepinfer_jax.engine.grammar import GrammarCompiler, RequestGrammar, bitmask_words
 from deepinfer_jax.engine.params import (
     CompletionOutput,
@@ -97,6 +97,9 @@ class PrefixCacheOptions:
       snapshot_slots: state slots kept for snapshots (the last ones of the pool).
       snapshots_per_step, copies_per_step: the fixed widths of a step's snapshots and slot copies, so that
         taking or restoring snapshots never changes the compiled step.
+      host_memory, host_ttl_s: the host-memory tier of evicted blocks and snapshots (bytes per device; 0 = off)
+        and how long an entry lives after it was stored or last used.
+      block_bytes, slot_bytes: what one block and one snapshot take in the host tier.
     """
 
     salt: bytes = b""
@@ -105,6 +108,10 @@ class PrefixCacheOptions:
     snapshot_slots: int = 0
     snapshots_per_step: int = 4
     copies_per_step: int = 8
+    host_memory: int = 0
+    host_ttl_s: float = 7 * 86400.0
+    block_bytes: int = 0
+    slot_bytes: int = 0
 
 
 class RequestStatus(enum.Enum):
@@ -359,6 +366,8 @@ class SchedulerStats:
     """Prefix caching: prompt tokens looked up at admission (vLLM's ``queries``)."""
     prefix_cache_hits: int = 0
     """Prefix caching: of those, tokens found cached (the prefill they skipped)."""
+    prefix_cache_host_hits: int = 0
+    """Prefix caching: of those, tokens whose blocks came back from the host-memory tier."""
     num_snapshots: int = 0
     """Prefix caching: window-state snapshots written."""
     num_snapshot_restores: int = 0
@@ -473,6 +482,12 @@ class DeviceScheduler:
             if kept:
                 slots -= kept
                 self.snapshots = SnapshotPool(slots, kept)
+        self.host: HostTier | None = None
+        if prefix_cache is not None and prefix_cache.host_memory > 0:
+            self.host = HostTier(prefix_cache.host_memory, prefix_cache.host_ttl_s, clock)
+        # Host-tier transfers of the step being planned, made before it runs: (entry, block, slot), -1 = none.
+        self._host_saves: list[tuple[HostEntry, int, int]] = []
+        self._host_loads: list[tuple[HostEntry, int, int]] = []
         self.slots = StateSlotManager(slots)
         width = blocks_for_tokens(self.max_model_len, self.block_size)
         self.max_blocks_per_seq = (
@@ -685,6 +700,10 @@ class DeviceScheduler:
         self.slots.reset()
         if self.snapshots is not None:
             self.snapshots.reset()
+        if self.host is not None:
+            self.host.reset()
+        self._host_saves.clear()
+        self._host_loads.clear()
         self._restores = 0
         return dropped
 
@@ -804,10 +823,10 @@ class DeviceScheduler:
                 break
             if req.pending:
                 break  # a recompute needs every token on the host; strict FCFS waits for it
-            hit, restore = self._lookup(req)
-            if restore is not None and self._restores >= self._max_restores():
+            hit, loaded, restore = self._lookup(req)
+            if isinstance(restore, int) and self._restores >= self._max_restores():
                 break  # the step's slot copies are full; it is admitted next step
-            start = len(hit) * self.block_size
+            start = (len(hit) + len(loaded)) * self.block_size
             need = self.blocks.blocks_for(req.feed_len + self._draft_extra(True)) - len(hit)
             # Cached blocks nobody owns count as free until this request takes them.
             taken = sum(self.blocks.is_evictable(b) for b in hit) if hit else 0
@@ -820,9 +839,17 @@ class DeviceScheduler:
             if hit:
                 self.blocks.acquire(hit)
             req.block_ids = hit + self.blocks.allocate(need)
-            req.num_registered = len(hit)
             req.slot = self.slots.allocate_one()
-            if restore is not None:
+            self.stats.prefix_cache_host_hits += len(loaded) * self.block_size
+            for entry, block in zip(loaded, req.block_ids[len(hit) :], strict=False):
+                # Copied back from the host before the step runs; cached again under its key at once.
+                self._host_loads.append((entry, block, -1))
+                self.blocks.register(block, entry.key)  # type: ignore[attr-defined]
+            req.num_registered = len(hit) + len(loaded)
+            if isinstance(restore, HostEntry):
+                self._host_loads.append((restore, -1, req.slot))
+                self.stats.num_snapshot_restores += 1
+            elif restore is not None:
                 self._slot_copies.append((restore, req.slot))
                 self._restores += 1
                 self.stats.num_snapshot_restores += 1
@@ -876,26 +903,43 @@ class DeviceScheduler:
             )
         return req.block_keys[:count]
 
-    def _lookup(self, req: Request) -> tuple[list[int], int | None]:
-        """The cached blocks ``req`` starts from and the snapshot slot to restore (``None``: none needed).
+    def _lookup(self, req: Request) -> tuple[list[int], list[HostEntry], int | HostEntry | None]:
+        """Where ``req``'s hit comes from: the cached device blocks it starts from, the host-tier blocks that
+        follow them, and the snapshot to restore (a snapshot slot, a host-tier entry, or ``None``: none needed).
 
         The hit covers the longest cached chain of its full blocks that leaves at least one token to compute
         (the last one must be sampled from); a model with per-sequence state also needs a snapshot at the hit's
         boundary, so the hit steps back to the last boundary that has one."""
         if not self._reuses(req) or req.feed_len <= self.block_size:
-            return [], None
+            return [], [], None
         limit = (req.feed_len - 1) // self.block_size
         keys = self._keys(req, limit)
         blocks = self.blocks.lookup(keys)  # type: ignore[attr-defined]
-        n = len(blocks)
+        host: list[HostEntry] = []
+        if self.host is not None:
+            while len(blocks) + len(host) < len(keys):
+                entry = self.host.get("block", keys[len(blocks) + len(host)])
+                if entry is None:
+                    break
+                host.append(entry)
+        n = len(blocks) + len(host)
         if self.prefix_cache is not None and self.prefix_cache.snapshots:
             pool = self.snapshots
-            while n and (pool is None or pool.get(keys[n - 1]) is None):
+            restore: int | HostEntry | None = None
+            while n:
+                restore = None if pool is None else pool.get(keys[n - 1])
+                if restore is None and self.host is not None:
+                    restore = self.host.get("state", keys[n - 1])
+                if restore is not None:
+                    break
                 n -= 1
-            if n:
+            if not n:
+                return [], [], None
+            if isinstance(restore, int):
                 assert pool is not None
-                return blocks[:n], pool.restore(keys[n - 1])
-        return blocks[:n], None
+                restore = pool.restore(keys[n - 1])
+            return blocks[:n], host[: max(n - len(blocks), 0)], restore
+        return blocks, host, None
 
     def _count_lookup(self, req: Request, hit_tokens: int) -> None:
         if self.prefix_cache is None:
@@ -973,12 +1017,26 @@ class DeviceScheduler:
         return out
 
     def _sync_evictions(self) -> None:
-        """Drop the snapshots of blocks the pool evicted (a hit needs the blocks before the snapshot)."""
+        """Blocks the pool evicted take their snapshots with them (a hit needs the blocks before the snapshot);
+        with a host tier, both go there, and so do snapshots evicted from their pool. The saves read the device
+        before the step that reuses the block or slot runs."""
         evicted = self.blocks.evicted  # type: ignore[attr-defined]
-        if evicted:
-            if self.snapshots is not None:
-                self.snapshots.discard(evicted)
-            evicted.clear()
+        states: list[tuple[bytes, int]] = []
+        if self.snapshots is not None:
+            states = self.snapshots.evicted + self.snapshots.discard([k for k, _ in evicted])
+            self.snapshots.evicted = []
+        if self.host is not None:
+            opts = self.prefix_cache
+            assert opts is not None
+            for key, block in evicted:
+                entry = self.host.put("block", key, opts.block_bytes)
+                if entry is not None:
+                    self._host_saves.append((entry, block, -1))
+            for key, slot in states:
+                entry = self.host.put("state", key, opts.slot_bytes)
+                if entry is not None:
+                    self._host_saves.append((entry, -1, slot))
+        evicted.clear()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block and snapshot (``LLM.reset_prefix_cache``); False without prefix caching."""
@@ -988,6 +1046,8 @@ class DeviceScheduler:
         self.blocks.evicted.clear()  # type: ignore[attr-defined]
         if self.snapshots is not None:
             self.snapshots.clear()
+        if self.host is not None:
+            self.host.reset()
         for req in self._running:
             req.num_registered = len(req.block_ids)  # their blocks stay theirs, unregistered
             self._drop_snapshots(req)
@@ -1272,13 +1332,21 @@ class DeviceScheduler:
                 req.snapshots[h // self.block_size] = slot
             self.stats.num_snapshots += len(snapshots)
         if self.prefix_cache is not None:
+            self._sync_evictions()  # the snapshots' slots may have evicted older snapshots
             for row in rows:
                 self._cache_blocks(row.request)
         batch = DeviceBatch(
-            tuple(rows), tuple(self._block_copies), tuple(self._slot_copies), tuple(snapshots)
+            tuple(rows),
+            tuple(self._block_copies),
+            tuple(self._slot_copies),
+            tuple(snapshots),
+            tuple(self._host_saves),
+            tuple(self._host_loads),
         )
         self._block_copies.clear()
         self._slot_copies.clear()
+        self._host_saves.clear()
+        self._host_loads.clear()
         self._restores = 0
         self._in_flight[batch] = None
         self.stats.num_steps += 1

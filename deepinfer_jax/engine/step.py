@@ -574,6 +574,9 @@ class StepExecutor:
         self.on_compile: Callable[[int | None, int | None], None] | None = None
         self.cache = self._stacked(lambda: model.init_cache(num_blocks, num_slots))
         self.state = self._stacked(lambda: init_state(num_slots, self.vocab_size, self.num_draft_tokens))
+        # Prefix caching's host tier: every device's blocks / slots gathered or written at once (vmap over D).
+        self._reader = jax.jit(jax.vmap(model.read_cache))
+        self._writer = jax.jit(jax.vmap(model.write_cache), donate_argnums=(0,))
 
     @property
     def compiled_buckets(self) -> tuple[tuple[int, int], ...]:
@@ -646,8 +649,58 @@ class StepExecutor:
                     self.on_compile(None, None)
         return fn
 
+    def _host_transfers(self, plan: StepPlan) -> None:
+        """Prefix caching's host tier (docs/prefix_cache.md): gather the blocks and snapshots the plan evicts into
+        host entries, then write the ones its hits bring back, before the step runs. Both are dispatched without
+        waiting (the gathered arrays start copying to the host at once, and an entry becomes numpy the first time
+        it is read), so no step waits on them."""
+        batches = [b for b in plan.batches if b is not None]
+        if not any(b.host_saves or b.host_loads for b in batches):
+            return
+        d = self.num_devices
+        for field in ("host_saves", "host_loads"):
+            items = [[] if b is None else getattr(b, field) for b in plan.batches]
+            blocks = [[(e, i) for e, i, _ in part if i >= 0] for part in items]
+            slots = [[(e, i) for e, _, i in part if i >= 0] for part in items]
+            kb, ks = (
+                max(1, 1 << max(max(len(x) for x in group) - 1, 0).bit_length()) for group in (blocks, slots)
+            )
+            ids = np.full((2, d, max(kb, ks)), -1, np.int32)
+            for dev in range(d):
+                for j, (_, i) in enumerate(blocks[dev]):
+                    ids[0, dev, j] = i
+                for j, (_, i) in enumerate(slots[dev]):
+                    ids[1, dev, j] = i
+            block_ids, slot_ids = self._place((ids[0, :, :kb], ids[1, :, :ks]))
+            axis = self.model.block_axis
+            if field == "host_saves":
+                data = self._reader(self.cache, block_ids, slot_ids)
+                for leaf in jax.tree.leaves(data):
+                    leaf.copy_to_host_async()
+                for dev in range(d):
+                    for j, (entry, _) in enumerate(blocks[dev]):
+                        entry.attach(data[0], (dev, j), axis)
+                    for j, (entry, _) in enumerate(slots[dev]):
+                        entry.attach(data[1], (dev, j), 0)
+                continue
+            shapes = jax.eval_shape(self._reader, self.cache, block_ids, slot_ids)
+            host = tuple(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), part) for part in shapes)
+            for part, group, ax in ((0, blocks, axis), (1, slots, 0)):
+                for dev in range(d):
+                    for j, (entry, _) in enumerate(group[dev]):
+
+                        def put(
+                            buf: np.ndarray, x: np.ndarray, dev: int = dev, j: int = j, ax: int = ax
+                        ) -> None:
+                            index = (dev,) + (slice(None),) * ax + (j,)
+                            buf[index] = x
+
+                        jax.tree.map(put, host[part], entry.numpy())
+            self.cache = self._writer(self.cache, block_ids, slot_ids, self._place(host))
+
     def run(self, plan: StepPlan) -> StepOutput:
         """Dispatch one step for ``plan``; returns its stacked outputs (``[D, S, ...]``) without waiting."""
+        self._host_transfers(plan)
         inputs = plan.inputs
         if plan.num_devices != self.num_devices:
             raise ValueError(f"plan: {plan.num_devices} devices, but the mesh has {self.num_devices}")

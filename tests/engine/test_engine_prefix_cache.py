@@ -35,7 +35,7 @@ def engine(name: str, batch_invariant: bool = False) -> LLM:
         batch_invariant=batch_invariant,
         num_draft_tokens=None,  # the model's natural drafts: V3 MTP, V4.1 DSpark, V4 none
         enable_prefix_caching=True,
-        **{"cache.block_size": BLOCK, "cache.num_blocks": 41},
+        **{"cache.block_size": BLOCK, "cache.num_blocks": 41, "cache.host_memory": 64 << 20},
     )
 
 
@@ -97,7 +97,8 @@ def test_hits_equal_cold_runs(name: str) -> None:
 def test_hit_while_the_source_runs_and_after_eviction(name: str) -> None:
     """A sharer admitted one step after its source (which still prefills and decodes) reuses the blocks the
     source's first chunk wrote. Then other prompts fill the 40-block cache, the source's blocks are evicted
-    (least recently freed first) and a request of the same prompt computes it again: still the cold tokens."""
+    (least recently freed first) to the host tier, and a request of the same prompt loads them back: still the
+    cold tokens."""
     llm = engine(name)
     stem = _stem(llm, 4 * BLOCK + 5, seed=2)
     sharer = stem[: 4 * BLOCK] + _stem(llm, 2, seed=3)
@@ -111,8 +112,10 @@ def test_hit_while_the_source_runs_and_after_eviction(name: str) -> None:
     _run(llm, fillers)
     sched = llm.scheduler.devices[0]
     assert sched.blocks.num_evictions > 0
+    host_hits = sched.stats.prefix_cache_host_hits
     again = _run(llm, [stem])[0]
-    assert again.num_cached_tokens < 4 * BLOCK
+    assert again.num_cached_tokens == 4 * BLOCK
+    assert sched.stats.prefix_cache_host_hits > host_hits  # they came back from host memory
     _same(again, cold_source)
     sched.blocks.check_consistency()
 

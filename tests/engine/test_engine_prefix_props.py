@@ -39,6 +39,18 @@ class RingDevice:
 
     def run(self, plan: Step, seeds: list[int]) -> np.ndarray:
         inputs = plan.plan.inputs
+        batch = plan.plan.batches[0]
+        # The host tier's transfers come first: saves read the device before anything writes, then loads.
+        for entry, block, slot in batch.host_saves:
+            if block >= 0:
+                entry.store(self.cache[block].copy())
+            else:
+                entry.store((self.rings[slot].copy(), self.ring_pos[slot].copy()))
+        for entry, block, slot in batch.host_loads:
+            if block >= 0:
+                self.cache[block] = entry.numpy()
+            else:
+                self.rings[slot], self.ring_pos[slot] = entry.numpy()
         if inputs.copies is not None:
             src, dst = inputs.copies.block_src[0], inputs.copies.block_dst[0]
             for a, b in zip(src, dst, strict=True):
@@ -144,6 +156,11 @@ def scenarios(draw: st.DrawFn) -> dict:
         snapshot_slots=snap_slots,
         snapshots_per_step=draw(st.integers(1, 3)),
         copies_per_step=4,
+        # A host tier of a few entries (each block or snapshot counts 1 here) that expire after some steps.
+        host_memory=draw(st.sampled_from([0, 3, 12, 40])),
+        host_ttl_s=draw(st.sampled_from([5.0, 1e9])),
+        block_bytes=1,
+        slot_bytes=1,
     )
     # A few shared stems, each request one of them plus its own tail.
     stems = [
@@ -163,7 +180,8 @@ def scenarios(draw: st.DrawFn) -> dict:
 
 def drive(scenario: dict) -> tuple[OneDevice, dict[str, RequestOutput]]:
     config, specs, depth = scenario["config"], scenario["specs"], scenario["depth"]
-    sched = OneDevice(**config)
+    clock = [0.0]
+    sched = OneDevice(**config, clock=lambda: clock[0])
     device = RingDevice(
         config["num_blocks"], config["block_size"], config["num_state_slots"], scenario["ring"]
     )
@@ -200,6 +218,7 @@ def drive(scenario: dict) -> tuple[OneDevice, dict[str, RequestOutput]]:
             for out in sched.take_ready_outputs():
                 results[out.request_id] = out
         step += 1
+        clock[0] = float(step)
     return sched, results
 
 
@@ -224,7 +243,7 @@ def test_prefix_hits_keep_every_request_its_solo_tokens(scenario: dict) -> None:
     sched.blocks.check_consistency()
 
 
-def _hits_scenario(snapshots: bool) -> dict:
+def _hits_scenario(snapshots: bool, **host: float) -> dict:
     config = {
         "num_blocks": 40,
         "block_size": 4,
@@ -235,7 +254,14 @@ def _hits_scenario(snapshots: bool) -> dict:
         "eos_token_ids": (EOS,),
         "num_state_slots": 4 + 1 + 8,
         "prefix_cache": PrefixCacheOptions(
-            salt=SALT, snapshots=snapshots, snapshot_slots=8, snapshots_per_step=2, copies_per_step=4
+            salt=SALT,
+            snapshots=snapshots,
+            snapshot_slots=8,
+            snapshots_per_step=2,
+            copies_per_step=4,
+            block_bytes=1,
+            slot_bytes=1,
+            **host,
         ),
     }
     stem = [3, 4, 5, 6, 7, 8, 9, 10, 11, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # 4.5 blocks
@@ -278,3 +304,28 @@ def test_reset_prefix_cache_forgets_everything() -> None:
     assert sched.blocks.num_cached == 0 and sched.snapshots.num_cached == 0
     sched.blocks.check_consistency()
     sched.snapshots.check_consistency()
+
+
+def test_blocks_and_snapshots_come_back_from_the_host_tier() -> None:
+    """A device cache of 11 blocks: fillers evict the stem's blocks (and snapshots) to the host tier; a later
+    request of the stem loads them back (counted), and every request still gets its solo tokens. With a TTL
+    shorter than the fillers take, the entries expire and nothing comes back."""
+    for snapshots in (False, True):
+        for ttl, back in ((1e9, True), (3.0, False)):
+            scenario = _hits_scenario(snapshots, host_memory=64, host_ttl_s=ttl)
+            config = scenario["config"]
+            config["num_blocks"] = 12
+            stem = scenario["specs"][0].prompt[:-1]
+            params = SamplingParams(max_tokens=3, ignore_eos=True)
+            fillers = [
+                Spec([2 + (i + j) % 9 for j in range(13)], params, 10 + i, 1 + 2 * i) for i in range(6)
+            ]
+            scenario["specs"] = [Spec([*stem, 2], params, 1, 0), *fillers, Spec([*stem, 5, 6], params, 2, 60)]
+            sched, results = drive(scenario)
+            last = results[str(len(scenario["specs"]) - 1)]
+            assert (sched.stats.prefix_cache_host_hits > 0) == back, (snapshots, ttl)
+            assert (last.num_cached_tokens == 16) == back, last.num_cached_tokens
+            for i, spec in enumerate(scenario["specs"]):
+                expected = reference(spec, max_model_len=40, capacity_blocks=11, block_size=4)
+                got = results[str(i)].outputs[0]
+                assert (got.finish_reason, got.token_ids) == expected
