@@ -393,6 +393,11 @@ class HostTier:
         self._entries.move_to_end((kind, key))
         return entry
 
+    def contains(self, kind: str, key: bytes) -> bool:
+        """Whether :meth:`get` would find a ready, unexpired entry (without using it)."""
+        entry = self._entries.get((kind, key))
+        return entry is not None and entry.ready and entry.expires > self._clock()
+
     def put(self, kind: str, key: bytes, nbytes: int) -> HostEntry | None:
         """A new entry for ``(kind, key)``, its data to be attached by the executor; ``None`` when it can never
         fit or is held already. Expired entries go first, then the least recently used ones."""

@@ -941,6 +941,34 @@ class DeviceScheduler:
             return blocks[:n], host[: max(n - len(blocks), 0)], restore
         return blocks, host, None
 
+    def cached_prefix(self, prompt_token_ids: Any) -> int:
+        """Prompt tokens a request of these ids would find cached here now (device blocks, then the host tier;
+        for a model with per-sequence state up to the last boundary with a snapshot). Changes nothing: the
+        router's look (:meth:`Scheduler.add_request`)."""
+        opts = self.prefix_cache
+        ids = np.asarray(prompt_token_ids, dtype=np.int32)
+        if opts is None or len(ids) <= self.block_size:
+            return 0
+        limit = (len(ids) - 1) // self.block_size
+        keys = block_keys(
+            ids[: limit * self.block_size + opts.lookahead],
+            self.block_size,
+            salt=opts.salt,
+            lookahead=opts.lookahead,
+            count=limit,
+        )
+        n = len(self.blocks.lookup(keys))  # type: ignore[attr-defined]
+        if self.host is not None:
+            while n < len(keys) and self.host.contains("block", keys[n]):
+                n += 1
+        if opts.snapshots:
+            while n and not (
+                (self.snapshots is not None and self.snapshots.get(keys[n - 1]) is not None)
+                or (self.host is not None and self.host.contains("state", keys[n - 1]))
+            ):
+                n -= 1
+        return n * self.block_size
+
     def _count_lookup(self, req: Request, hit_tokens: int) -> None:
         if self.prefix_cache is None:
             return
@@ -1754,7 +1782,10 @@ class Scheduler:
         device."""
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already queued or running")
-        device = route(self.loads())
+        loads = self.loads()
+        device = route(loads)
+        if self.num_devices > 1 and self.devices[0].prefix_cache is not None:
+            device = self._prefix_route(prompt_token_ids, loads, device)
         sched = self.devices[device]
         sched.add_request(
             request_id, prompt_token_ids, params, seed=seed, prompt=prompt, arrival_time=arrival_time
@@ -1769,6 +1800,27 @@ class Scheduler:
             self._loads[device][0] += 1
             self._loads[device][1] += tokens
         return device
+
+    def _prefix_route(self, prompt_token_ids: Any, loads: Sequence[tuple[int, int]], device: int) -> int:
+        """With prefix caching the router prefers the device that has the longest cached prefix of the prompt,
+        unless it runs ``max_num_seqs // 2`` (at least 1) more sequences than the least loaded device (then the
+        load wins: a hit does not pay for queueing behind a full device). Ties keep :func:`route`'s order.
+        Deterministic: every process's schedulers hold the same caches."""
+        try:
+            ids = np.asarray(prompt_token_ids, dtype=np.int64)
+        except (TypeError, ValueError):
+            return device  # add_request refuses it with its own message
+        if ids.ndim != 1 or not len(ids) or ids.min() < 0 or ids.max() >= self.vocab_size:
+            return device
+        slack = max(self.devices[0].max_num_seqs // 2, 1)
+        least = min(seqs for seqs, _ in loads)
+        hits = [
+            s.cached_prefix(ids) if loads[d][0] - least < slack else 0 for d, s in enumerate(self.devices)
+        ]
+        best = max(hits)
+        if best == 0 or hits[device] == best:
+            return device
+        return min((d for d in range(self.num_devices) if hits[d] == best), key=lambda d: (*loads[d], d))
 
     def loads(self) -> list[tuple[int, int]]:
         """``(unfinished sequences, tokens they hold)`` per device, the router's input.

@@ -169,9 +169,9 @@ def test_requests_that_do_not_reuse() -> None:
 
 
 def test_hits_on_a_mesh() -> None:
-    """dp = 2: each device caches the blocks and snapshots of the sequences it owns (routing is by load, not by
-    prefix: two requests at a time go to devices 0 and 1, as their stems did); every request gets the tokens of
-    a cold run."""
+    """dp = 2: each device caches the blocks and snapshots of the sequences it owns, and the router sends a
+    request to the device holding its prefix (both requests of a stem go to the stem's device, against the
+    load); every request gets the tokens of a cold run."""
     llm = LLM(
         "tiny-v4",
         dtype="float32",
@@ -182,11 +182,11 @@ def test_hits_on_a_mesh() -> None:
         **{"cache.block_size": BLOCK, "cache.num_blocks": 41},
     )
     stems = [_stem(llm, 3 * BLOCK + 2, seed=30 + i) for i in range(2)]
-    pairs = [[s[: 2 * BLOCK + 1 + i] for s in stems] for i in range(2)]
-    cold = [_cold(llm, p) for pair in pairs for p in pair]
+    prompts = [s[: 2 * BLOCK + 1 + i] for s in stems for i in range(2)]
+    cold = [_cold(llm, p) for p in prompts]
     llm.reset_prefix_cache()
-    _run(llm, stems)
-    hot = [out for pair in pairs for out in _run(llm, pair)]
+    _run(llm, stems)  # stem 0 on device 0, stem 1 on device 1
+    hot = _run(llm, prompts)
     assert [h.num_cached_tokens for h in hot] == [2 * BLOCK] * 4
     for h, c in zip(hot, cold, strict=True):
         _same(h, c)
