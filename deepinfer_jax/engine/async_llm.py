@@ -96,8 +96,8 @@ class EngineStats:
       finished: finished requests by ``finish_reason``.
       accepted, refused: requests accepted / refused as over the admission bound.
       step_failures: runs a failed step ended (their requests ended with ``finish_reason="error"``).
-      prefix_cache_hit_tokens, prefix_cache_query_tokens, draft_tokens, accepted_draft_tokens: counters the
-        engine reports once prefix caching / speculative decoding exist (``None`` while it has none).
+      prefix_cache_hit_tokens, prefix_cache_query_tokens: prompt tokens found in / looked up in the prefix cache
+        (docs/prefix_cache.md). draft_tokens, accepted_draft_tokens: speculative decoding's counters.
     """
 
     running: int = 0
@@ -127,8 +127,8 @@ class EngineStats:
 
 _OPTIONAL_COUNTERS = {
     # EngineStats field: the SchedulerStats attribute a later feature adds (read only when it exists).
-    "prefix_cache_hit_tokens": "num_prefix_cache_hit_tokens",
-    "prefix_cache_query_tokens": "num_prefix_cache_query_tokens",
+    "prefix_cache_hit_tokens": "prefix_cache_hits",
+    "prefix_cache_query_tokens": "prefix_cache_queries",
     "draft_tokens": "num_draft_tokens",
     "accepted_draft_tokens": "num_accepted_draft_tokens",
 }
