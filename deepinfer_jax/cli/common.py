@@ -289,6 +289,12 @@ def define_engine_flags(fv: flags.FlagValues, *, max_tokens: int | None, samplin
         "(repeatable)",
         flag_values=fv,
     )
+    flags.DEFINE_boolean(
+        "enable_prefix_caching",
+        None,
+        "reuse the cached blocks of earlier prompts' prefixes (unset: the config's, else on; docs/prefix_cache.md)",
+        flag_values=fv,
+    )
     if sampling:
         flags.DEFINE_boolean("progress", True, "show a progress bar", flag_values=fv)
     flags.DEFINE_boolean(
@@ -347,5 +353,6 @@ def llm_from_flags(fv: flags.FlagValues) -> Any:
         batch_invariant=fv["batch_invariant"].value if "batch_invariant" in fv else None,
         num_draft_tokens=fv.num_draft_tokens,
         speculative_variable_length=fv.speculative_variable_length,
+        enable_prefix_caching=fv.enable_prefix_caching,
         **config_lib.parse_overrides(fv.set),
     )

@@ -138,7 +138,7 @@ def test_preempted_requests_holding_shared_blocks(name: str) -> None:
         _same(h, c)
 
 
-@pytest.mark.parametrize("name", ["tiny-v3", "tiny-v41"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_batch_invariant_hits_are_bitwise(name: str) -> None:
     llm = engine(name, batch_invariant=True)
     stem = _stem(llm, 4 * BLOCK + 7, seed=5)
