@@ -54,6 +54,7 @@ def run(llm: LLM, convs: list[list[list[int]]], reply: int, group: int) -> dict:
     replies = []
     sched = llm.scheduler
     host_before = sched.stats.prefix_cache_host_hits
+    compiles = llm.executor.compile_count
     start = time.perf_counter()
     for t in range(len(convs[0])):
         for g in range(0, len(convs), group):
@@ -82,6 +83,7 @@ def run(llm: LLM, convs: list[list[list[int]]], reply: int, group: int) -> dict:
         "wall_s": wall,
         "replies": replies,
         "host_hits": sched.stats.prefix_cache_host_hits - host_before,
+        "compiles": llm.executor.compile_count - compiles,
     }
 
 
@@ -134,16 +136,17 @@ def main() -> int:
         f"replies identical in every variant: {same}"
     )
     print(
-        "| variant | TTFT turn 1 p50 (ms) | TTFT turns >= 2 p50 (ms) | p99 (ms) | prefill tokens | cached tokens | host-tier tokens | wall (s) |"
+        "| variant | TTFT turn 1 p50 (ms) | TTFT turns >= 2 p50 (ms) | p99 (ms) | prefill tokens | cached tokens | host-tier tokens | wall (s) | compiles |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     summary = {}
     for n in names:
         med = {k: statistics.median(res[k] for res in results[n]) for k in results[n][0] if k != "replies"}
         summary[n] = med
         print(
             f"| {n} | {med['ttft_first_p50_ms']:.1f} | {med['ttft_later_p50_ms']:.1f} | {med['ttft_later_p99_ms']:.1f} | "
-            f"{med['prefill_tokens']:.0f} | {med['cached_tokens']:.0f} | {med['host_hits']:.0f} | {med['wall_s']:.2f} |"
+            f"{med['prefill_tokens']:.0f} | {med['cached_tokens']:.0f} | {med['host_hits']:.0f} | {med['wall_s']:.2f} | "
+            f"{med['compiles']:.0f} |"
         )
     if "off" in summary and "on" in summary:
         print(

@@ -275,6 +275,13 @@ class SnapshotPool:
         self._key_of[slot] = key
         self._lru[slot] = None
 
+    def demote(self, key: bytes) -> None:
+        """Make ``key``'s snapshot the first to be evicted (a later snapshot of the same sequence supersedes it:
+        a request that extends the sequence hits the later one)."""
+        slot = self._slot_of.get(key)
+        if slot is not None:
+            self._lru.move_to_end(slot, last=False)
+
     def release(self, slot: int) -> None:
         """Return an uncommitted slot from :meth:`take`."""
         self._free.append(slot)

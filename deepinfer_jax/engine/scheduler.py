@@ -201,6 +201,7 @@ class Request:
         self.block_keys: list[bytes] = []
         self.num_registered = 0
         self.snapshots: dict[int, int] = {}
+        self.snapshot_frontier = 0  # blocks before its newest snapshot (committed or restored)
         self.num_cached_tokens = 0
 
     @property
@@ -846,6 +847,7 @@ class DeviceScheduler:
                 self._host_loads.append((entry, block, -1))
                 self.blocks.register(block, entry.key)  # type: ignore[attr-defined]
             req.num_registered = len(hit) + len(loaded)
+            req.snapshot_frontier = start // self.block_size if restore is not None else 0
             if isinstance(restore, HostEntry):
                 self._host_loads.append((restore, -1, req.slot))
                 self.stats.num_snapshot_restores += 1
@@ -996,8 +998,15 @@ class DeviceScheduler:
                 self.blocks.register(req.block_ids[i], keys[i])  # type: ignore[attr-defined]
             req.num_registered = done
         if req.snapshots and self.snapshots is not None:
-            for n in [n for n in req.snapshots if n <= req.num_registered]:
+            for n in sorted(n for n in req.snapshots if n <= req.num_registered):
                 self.snapshots.commit(req.snapshots.pop(n), req.block_keys[n - 1])
+                if n > req.snapshot_frontier:
+                    # The sequence's newest snapshot supersedes its older one, which goes first when slots run out.
+                    if req.snapshot_frontier:
+                        self.snapshots.demote(req.block_keys[req.snapshot_frontier - 1])
+                    req.snapshot_frontier = n
+                else:
+                    self.snapshots.demote(req.block_keys[n - 1])
 
     def _drop_snapshots(self, req: Request) -> None:
         """Free the snapshot slots whose boundary keys never became known (the request ended or was preempted
