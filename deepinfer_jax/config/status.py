@@ -119,7 +119,7 @@ FIELDS: dict[str, Setting] = {
     ),
     "cache.num_blocks": _honoured("cache blocks per device, instead of sizing them from kv_cache_memory"),
     "cache.state_slots_ratio": _honoured(
-        "the slots beyond max_num_seqs hold prefix caching's window-state snapshots (None: 2.0 when snapshots "
+        "the slots beyond max_num_seqs hold prefix caching's window-state snapshots (None: 3.0 when snapshots "
         "are kept, else 1.0)",
         warn_if=lambda cfg: _extra_slots_unused(cfg),
     ),

@@ -60,6 +60,12 @@ _DEFAULT_PREFILL_MAX_SUM_SEQLEN_K = 1 << 30
 _REFERENCE_NEXTN = 5  # the reference runtime's default draft length (DEEPINFER_USE_NEXTN_DECODE)
 
 
+SNAPSHOT_SLOTS_RATIO = 3.0
+"""``cache.state_slots_ratio`` when unset and the engine keeps window-state snapshots (prefix caching of a V4 /
+V4.1 model): two snapshot slots per sequence, so every conversation keeps its newest snapshot while the running
+ones write theirs (docs/prefix_cache.md)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class CacheConfig(Checked):
     """Paged KV cache and per-sequence state slots.
@@ -69,7 +75,8 @@ class CacheConfig(Checked):
         memory_utilization: fraction of device memory the engine may use (weights, activations, caches).
         num_blocks: fixed number of cache blocks, overriding memory profiling (``None`` = profile).
         state_slots_ratio: state slots = ``int(max_num_seqs * ratio) + 1`` (slot 0 is reserved): one per running
-            sequence, the rest hold prefix caching's window-state snapshots (V4 / V4.1). ``None`` = 2.0 when the
+            sequence, the rest hold prefix caching's window-state snapshots (V4 / V4.1). ``None`` =
+            :data:`SNAPSHOT_SLOTS_RATIO` when the
             engine keeps snapshots, else 1.0 (docs/prefix_cache.md).
         enable_prefix_caching: reuse the cached blocks of earlier requests' prefixes (docs/prefix_cache.md).
         host_memory: bytes of host memory (the whole engine's, split over its devices) for cached blocks and
@@ -612,13 +619,17 @@ class EngineConfig(Checked):
     @property
     def num_state_slots(self) -> int:
         """State slots, ``int(max_num_seqs * cache.state_slots_ratio) + 1`` (slot 0 reserved); an unset ratio is
-        2.0 where the engine keeps window-state snapshots (prefix caching of a V4 / V4.1 model), else 1.0."""
+        :data:`SNAPSHOT_SLOTS_RATIO` where the engine keeps window-state snapshots (prefix caching of a V4 / V4.1 model), else 1.0."""
         ratio = self.cache.state_slots_ratio
         if ratio is None:
             family = (
                 None if self.model is None else str(getattr(self.model.family, "value", self.model.family))
             )
-            ratio = 2.0 if self.cache.enable_prefix_caching and family not in (None, "deepseek_v3") else 1.0
+            ratio = (
+                SNAPSHOT_SLOTS_RATIO
+                if self.cache.enable_prefix_caching and family not in (None, "deepseek_v3")
+                else 1.0
+            )
         return int(self.scheduler.max_num_seqs * ratio) + 1
 
     @property

@@ -34,6 +34,7 @@ from deepinfer_jax.cache.prefix import prefix_salt
 from deepinfer_jax.checkpoint.model_loading import DTYPES, Model, init_random, load_model
 from deepinfer_jax.config import load_config_with_sources
 from deepinfer_jax.config.status import check_settings, env_report, field_value
+from deepinfer_jax.config.tree import SNAPSHOT_SLOTS_RATIO
 from deepinfer_jax.engine import chat as _chat
 from deepinfer_jax.engine.buckets import step_buckets
 from deepinfer_jax.engine.grammar import GrammarCompiler
@@ -326,7 +327,7 @@ def _prefix_options(
     snapshots = layout.bytes_per_slot > 0  # per-sequence state outside the blocks (V4, V4.1)
     ratio = cache.state_slots_ratio
     if ratio is None:
-        ratio = 2.0 if snapshots else 1.0
+        ratio = SNAPSHOT_SLOTS_RATIO if snapshots else 1.0
     slots = max(int(max_num_seqs * ratio) - max_num_seqs, 0) if snapshots else 0
     if snapshots and not slots:
         logging.warning(

@@ -171,6 +171,9 @@ def copy_rows(x: jax.Array, src: jax.Array, dst: jax.Array, axis: int = 0) -> ja
     commute."""
     n = x.shape[axis]
     rows = jnp.take(x, jnp.clip(src, 0, n - 1), axis=axis)
+    # Order the write after the read, so XLA updates the (donated) array in place instead of copying all of
+    # it to keep the rows it reads valid (as ring_write does): steps with prefix-cache snapshots copy every step.
+    x, rows = jax.lax.optimization_barrier((x, rows))
     index = (slice(None),) * axis + (jnp.where(dst >= 0, dst, n),)
     return x.at[index].set(rows, mode="drop")
 

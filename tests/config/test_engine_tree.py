@@ -134,7 +134,7 @@ def test_engine_defaults_match_the_reference_derivation(models):
     assert cfg.prompt_limit == 4096
     assert cfg.prefill_max_sum_seqlen_k == 2**30
     assert cfg.backtracking_tokens == 6
-    assert cfg.num_state_slots == 513  # int(256 * 2.0) + 1: V4.1 with prefix caching keeps snapshot slots
+    assert cfg.num_state_slots == 769  # int(256 * 3.0) + 1: V4.1 with prefix caching keeps snapshot slots
     assert (
         dataclasses.replace(
             cfg, cache=dataclasses.replace(cfg.cache, enable_prefix_caching=False)
@@ -253,6 +253,6 @@ def test_derived_quantities_follow_their_formulas(
     assert blocks % 64 == 0 and blocks * block_size >= cfg.runtime_max_model_len
     assert (blocks - 64) * block_size < cfg.runtime_max_model_len  # the smallest such multiple of 64
     assert cfg.backtracking_tokens == nextn + 1
-    # state_slots_ratio unset: 2.0 with V4.1's snapshots (prefix caching is on by default), else 1.0
-    ratio = 2.0 if cfg.cache.enable_prefix_caching else 1.0
+    # state_slots_ratio unset: 3.0 with V4.1's snapshots (prefix caching is on by default), else 1.0
+    ratio = 3.0 if cfg.cache.enable_prefix_caching else 1.0
     assert cfg.num_state_slots - 1 == int(max_num_seqs * ratio)
