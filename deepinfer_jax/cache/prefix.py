@@ -29,7 +29,15 @@ import numpy as np
 
 from deepinfer_jax.cache.blocks import BlockAllocator, CacheExhaustedError, _check_int
 
-__all__ = ["HostEntry", "HostTier", "PrefixBlockPool", "SnapshotPool", "block_keys", "prefix_salt"]
+__all__ = [
+    "Gathered",
+    "HostEntry",
+    "HostTier",
+    "PrefixBlockPool",
+    "SnapshotPool",
+    "block_keys",
+    "prefix_salt",
+]
 
 
 def prefix_salt(**fields: object) -> bytes:
@@ -352,20 +360,41 @@ class HostEntry:
 
     def numpy(self) -> object:
         if self._arrays is None:
-            import jax
-
             assert self._ref is not None, "a host entry was read before its save was dispatched"
             tree, (d, j), axis = self._ref
-
-            def host(x: object) -> np.ndarray:
-                return np.asarray(jax.device_get(x))[d]  # explicit: the engine's transfer guard allows it
-
+            host = tree.numpy() if isinstance(tree, Gathered) else tree
             if isinstance(axis, int):
-                self._arrays = jax.tree.map(lambda x: np.take(host(x), j, axis=axis), tree)
+                self._arrays = _map(lambda x: np.take(x[d], j, axis=axis).copy(), host)
             else:
-                self._arrays = jax.tree.map(lambda x, a: np.take(host(x), j, axis=a), tree, axis)
+                self._arrays = _map(lambda x, a: np.take(x[d], j, axis=a).copy(), host, axis)
             self._ref = None
         return self._arrays
+
+
+def _map(fn: Callable[..., object], *trees: object) -> object:
+    import jax
+
+    return jax.tree.map(fn, *trees)
+
+
+class Gathered:
+    """The device arrays one save gathered (leaves ``[D, ...]``), shared by the entries cut from them: copied to
+    the host once, the first time one of them is read."""
+
+    __slots__ = ("_host", "_tree")
+
+    def __init__(self, tree: object) -> None:
+        self._tree, self._host = tree, None
+
+    def numpy(self) -> object:
+        if self._host is None:
+            import jax
+
+            self._host = _map(
+                np.asarray, jax.device_get(self._tree)
+            )  # explicit: the transfer guard allows it
+            self._tree = None
+        return self._host
 
 
 class HostTier:

@@ -44,6 +44,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from deepinfer_jax.cache.prefix import Gathered
 from deepinfer_jax.cache.ragged import make_meta
 from deepinfer_jax.engine.plan import StepInputs, StepPlan
 from deepinfer_jax.models.paged import PagedModel, copy_rows
@@ -677,11 +678,12 @@ class StepExecutor:
                 data = self._reader(self.cache, block_ids, slot_ids)
                 for leaf in jax.tree.leaves(data):
                     leaf.copy_to_host_async()
+                gathered = (Gathered(data[0]), Gathered(data[1]))
                 for dev in range(d):
                     for j, (entry, _) in enumerate(blocks[dev]):
-                        entry.attach(data[0], (dev, j), axis)
+                        entry.attach(gathered[0], (dev, j), axis)
                     for j, (entry, _) in enumerate(slots[dev]):
-                        entry.attach(data[1], (dev, j), 0)
+                        entry.attach(gathered[1], (dev, j), 0)
                 continue
             shapes = jax.eval_shape(self._reader, self.cache, block_ids, slot_ids)
             host = tuple(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), part) for part in shapes)
