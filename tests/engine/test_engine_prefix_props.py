@@ -18,22 +18,20 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from one_device import OneDevice, Step  # tests/engine/one_device.py
-from test_engine_scheduler_props import EOS, VOCAB, Spec, next_token, reference
+from test_engine_scheduler_props import EOS, VOCAB, FakeDevice, Spec, reference
 
 from deepinfer_jax.cache.prefix import block_keys
 from deepinfer_jax.engine.params import RequestOutput, SamplingParams
-from deepinfer_jax.engine.plan import PENDING_TOKEN
 from deepinfer_jax.engine.scheduler import PrefixCacheOptions
 
 STEP_LIMIT = 3000
 SALT = b"test-salt"
 
 
-class RingDevice:
+class RingDevice(FakeDevice):
     def __init__(self, num_blocks: int, block_size: int, num_slots: int, ring: int) -> None:
-        self.block_size, self.ring = block_size, ring
-        self.cache = np.full((num_blocks, block_size), -1, np.int64)
-        self.last = np.full(num_slots, -1, np.int64)
+        super().__init__(num_blocks, block_size, num_slots)
+        self.ring = ring
         self.rings = np.full((num_slots, ring), -1, np.int64)
         self.ring_pos = np.full((num_slots, ring), -1, np.int64)  # which position each entry holds
 
@@ -62,16 +60,8 @@ class RingDevice:
             assert not {b for _, b in pairs} & {a for a, _ in pairs}, "a copy destination is also a source"
             for a, b in pairs:
                 self.rings[b], self.ring_pos[b], self.last[b] = self.rings[a], self.ring_pos[a], self.last[a]
-        n, bs, r = plan.num_tokens, self.block_size, self.ring
-        seq = plan.token_seq[:n]
-        ids = plan.token_ids[:n].astype(np.int64)
-        pending = ids == PENDING_TOKEN
-        ids[pending] = self.last[plan.seq_slots[seq[pending]]]
-        assert (ids >= 0).all(), "a pending input had no sampled token in its slot"
-        pos = plan.positions[:n]
-        blocks = plan.block_tables[seq, pos // bs]
-        assert (blocks > 0).all(), "a token was written outside its block table"
-        self.cache[blocks, pos % bs] = ids
+        bs, r = self.block_size, self.ring
+        ids, pos = self.write(plan)
         starts = plan.query_start
         for s in range(plan.num_seqs):
             lo, hi = int(starts[s]), int(starts[s + 1])
@@ -99,16 +89,7 @@ class RingDevice:
             for t in range(max(lo, hi - r), hi):
                 self.rings[slot, pos[t] % r] = ids[t]
                 self.ring_pos[slot, pos[t] % r] = pos[t]
-        out = np.zeros(plan.padded_seqs, np.int32)
-        for s in range(plan.num_seqs):
-            if not plan.sample[s]:
-                continue
-            p = np.arange(plan.context_lens[s])
-            context = self.cache[plan.block_tables[s, p // bs], p % bs]
-            assert (context >= 0).all(), "the context reads a cache entry no step wrote"
-            out[s] = next_token(context, seeds[s])
-            self.last[plan.seq_slots[s]] = out[s]
-        return out
+        return self.sample(plan, seeds)
 
 
 def check_invariants(

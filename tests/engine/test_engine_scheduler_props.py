@@ -42,6 +42,11 @@ class FakeDevice:
         self.last = np.full(num_slots, -1, np.int64)
 
     def run(self, plan: Step, seeds: list[int]) -> np.ndarray:
+        self.write(plan)
+        return self.sample(plan, seeds)
+
+    def write(self, plan: Step) -> tuple[np.ndarray, np.ndarray]:
+        """Resolve pending inputs and write every token id into its block; returns ``(ids, positions)``."""
         n, bs = plan.num_tokens, self.block_size
         seq = plan.token_seq[:n]
         ids = plan.token_ids[:n].astype(np.int64)
@@ -52,6 +57,11 @@ class FakeDevice:
         blocks = plan.block_tables[seq, pos // bs]
         assert (blocks > 0).all(), "a token was written outside its block table"
         self.cache[blocks, pos % bs] = ids
+        return ids, pos
+
+    def sample(self, plan: Step, seeds: list[int]) -> np.ndarray:
+        """Each sampling row's token from its whole context read back through its block table."""
+        bs = self.block_size
         out = np.zeros(plan.padded_seqs, np.int32)
         for s in range(plan.num_seqs):
             if not plan.sample[s]:
