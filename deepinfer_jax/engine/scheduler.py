@@ -1029,7 +1029,7 @@ class DeviceScheduler:
         for i, row in enumerate(rows):
             req = row.request
             end = row.start + row.length - row.num_drafts
-            if row.shifted or row.num_drafts or not self._reuses(req) or end < bs:
+            if row.shifted or row.num_drafts or end < bs:
                 wanted.append([])
                 continue
             known = [] if row.pending_input else self._keys(req, end // bs)
