@@ -315,7 +315,6 @@ def device_step(
         inputs.seq_slots,
         inputs.block_tables,
         inputs.snapshots,
-        inputs.replay_from,
     )
     tile = BATCH_INVARIANT_TILE if batch_invariant else None
     prompt_out = None
