@@ -40,6 +40,8 @@ __all__ = [
     "history",
     "make_meta",
     "page_rows",
+    "replay_bounded",
+    "replay_compact",
     "ring_write",
     "rowwise_meta",
     "write_entries",
@@ -64,6 +66,8 @@ class RaggedMeta(NamedTuple):
         ``(row, boundary, slot)``: after the step, state slot ``slot`` holds what row ``row``'s slot holds right
         after position ``boundary - 1`` (the step copied the row's slot there before it ran, and
         :func:`ring_write` adds the row's items of positions ``[boundary - R, boundary)``); ``slot = -1`` = none.
+      replay_from: SWA bounded replay (``docs/models_v41.md``): int32 ``[S]`` the first position each row's YOCO
+        consumer layers may see (``R = L - K``; ``-1`` = no bound), or ``None`` when truncation is off.
     """
 
     token_seq: jax.Array
@@ -77,6 +81,7 @@ class RaggedMeta(NamedTuple):
     row_start: jax.Array
     slot: jax.Array
     snapshots: jax.Array | None = None
+    replay_from: jax.Array | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +104,7 @@ def make_meta(
     seq_slots: jax.Array,
     block_tables: jax.Array,
     snapshots: jax.Array | None = None,
+    replay_from: jax.Array | None = None,
 ) -> RaggedMeta:
     """Build the :class:`RaggedMeta` of a step from the plan's arrays (see ``engine/plan.py``)."""
     rows = seq_slots.shape[0]
@@ -119,7 +125,59 @@ def make_meta(
         row_start,
         slot,
         None if snapshots is None else snapshots.astype(jnp.int32),
+        None if replay_from is None else replay_from.astype(jnp.int32),
     )
+
+
+def replay_bounded(meta: RaggedMeta) -> tuple[RaggedMeta, jax.Array]:
+    """SWA bounded replay: ``(meta, bound)`` with the state slot of every token below its row's bound set to
+    ``-1`` (so :func:`ring_write` skips it) and ``bound [T]`` each token's first visible position (``-1``: none).
+    Without ``meta.replay_from`` the meta is returned unchanged with no bound."""
+    if meta.replay_from is None:
+        return meta, jnp.full((meta.num_tokens,), -1, jnp.int32)
+    bound = jnp.where(meta.valid, meta.replay_from[meta.row], -1)
+    slot = jnp.where(meta.positions >= bound, meta.slot, -1)
+    return meta._replace(slot=slot), bound
+
+
+def replay_compact(meta: RaggedMeta, size: int) -> tuple[RaggedMeta, jax.Array]:
+    """The compact layout of SWA bounded replay: ``(compact meta, gather [size])``.
+
+    Each row keeps its tokens at positions ``>= replay_from`` (``clip = clamp(R - row_start, 0, count - 1)``
+    tokens are removed from its front, so a chunk entirely before its bound keeps its last token as a
+    placeholder). ``gather[i]`` is the full-layout index of compact token ``i`` (``T`` for padding); the compact
+    meta has the kept tokens' rows and positions, compact row offsets, and the same context lengths, slots and
+    block tables (so row starts move to the first kept position). ``size`` is static: the caller guarantees that
+    the kept tokens fit (at most ``K`` per row).
+    """
+    assert meta.replay_from is not None
+    tokens, rows = meta.num_tokens, meta.num_rows
+    counts = meta.query_start[1:] - meta.query_start[:-1]
+    bound = meta.replay_from
+    clip = jnp.where(
+        (bound >= 0) & (counts > 0), jnp.clip(bound - meta.row_start, 0, jnp.maximum(counts - 1, 0)), 0
+    )
+    kept = counts - clip
+    query_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(kept).astype(jnp.int32)])
+    t = jnp.arange(tokens, dtype=jnp.int32)
+    local = t - meta.query_start[meta.row]
+    keep = meta.valid & (local >= clip[meta.row])
+    dest = jnp.where(keep, query_start[meta.row] + local - clip[meta.row], size)
+    gather = jnp.full((size,), tokens, jnp.int32).at[dest].set(t, mode="drop")
+    real = gather < tokens
+    token_seq = jnp.where(real, meta.token_seq.at[gather].get(mode="fill", fill_value=rows), rows)
+    positions = jnp.where(real, meta.positions.at[gather].get(mode="fill", fill_value=0), 0)
+    compact = make_meta(
+        token_seq,
+        positions,
+        jnp.minimum(query_start, size),
+        meta.context_lens,
+        meta.seq_slots,
+        meta.block_tables,
+        meta.snapshots,
+        meta.replay_from,
+    )
+    return compact, gather
 
 
 def rowwise_meta(fn: Any, tile: int | None, meta: RaggedMeta, tokens: Any) -> Any:

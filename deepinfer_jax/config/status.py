@@ -105,7 +105,6 @@ _RINGS = (
     "no effect: prefix caching's window-state snapshots are written by the step that passes each block boundary "
     "(docs/prefix_cache.md), so the rings need no extra positions"
 )
-_REPLAY = "SWA bounded replay (YOCO prefill truncation)"
 _BUCKETS = "the step buckets are fixed: 16 / 64 / 256 / the budget tokens against 8 / 32 / 128 / the budget sequences"
 
 FIELDS: dict[str, Setting] = {
@@ -206,8 +205,18 @@ FIELDS: dict[str, Setting] = {
     "scheduler.prefill_any_vote_interval": _no_effect(
         "there is no step-type vote: every step mixes prefill chunks and decode tokens"
     ),
-    "scheduler.yoco_truncation": _not_built(_REPLAY),
-    "scheduler.yoco_keep_tokens": _not_built(_REPLAY),
+    "scheduler.yoco_truncation": _honoured(
+        "SWA bounded replay of deepseek_v41 (docs/models_v41.md): 'mask' narrows the YOCO consumer layers' windows "
+        "to the last yoco_keep_tokens positions of each prompt, 'compact' also runs those layers on the kept rows "
+        "only; prompt logprobs are refused and prefix caching is turned off"
+    ),
+    "scheduler.yoco_keep_tokens": _honoured(
+        "K of SWA bounded replay: consumer layers see positions >= L - K of a prompt of L tokens (K >= "
+        "sliding_window + ring margin)",
+        warn_if=lambda cfg: (
+            "scheduler.yoco_truncation is off" if cfg.scheduler.yoco_truncation == "off" else None
+        ),
+    ),
     "scheduler.min_bucket_fill": _honoured("cut prefill chunks to fill a smaller bucket below this fill"),
     # ------------------------------------------------------------------------------------------ speculative
     "speculative.num_draft_tokens": _honoured(

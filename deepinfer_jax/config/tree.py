@@ -209,7 +209,8 @@ class SchedulerConfig(Checked):
             attempts that need all ranks / any rank to have prompts waiting.
         yoco_truncation: V4.1 prefill truncation of the YOCO consumer half: ``"off"`` (exact model),
             ``"mask"`` or ``"compact"`` (spec/engine.md §7).
-        yoco_keep_tokens: trailing tokens kept when truncation is on (must be >= sliding_window + backtracking).
+        yoco_keep_tokens: trailing tokens kept when truncation is on (default 140; must be >= sliding_window + the
+            ring margin: ``dspark_block_size`` when drafting, else the backtracking tokens).
         min_bucket_fill: when a step's tokens fill less than this fraction of the compiled bucket they would be
             padded to, its prefill chunks are cut to fill the next smaller bucket (0 = never cut; docs/engine.md).
     """
@@ -227,7 +228,7 @@ class SchedulerConfig(Checked):
     prefill_all_vote_interval: int = 70
     prefill_any_vote_interval: int = 100
     yoco_truncation: Literal["off", "mask", "compact"] = "off"
-    yoco_keep_tokens: int = 0
+    yoco_keep_tokens: int = 140
     min_bucket_fill: float = 0.5
 
     def _validate(self) -> None:
@@ -525,12 +526,18 @@ class EngineConfig(Checked):
                 field="scheduler.yoco_truncation",
             )
         window = model.sliding_window  # type: ignore[attr-defined]
-        needed = window + self.backtracking_tokens
+        # B, the rings' rollback margin: the DSpark block when the engine drafts, else the backtracking tokens.
+        block = getattr(model, "dspark_block_size", None)
+        if self.num_draft_tokens and block:
+            margin, what = int(block), "dspark_block_size"
+        else:
+            margin, what = self.backtracking_tokens, "backtracking tokens"
+        needed = window + margin
         if sched.yoco_keep_tokens < needed:
             raise ConfigValueError(
                 f"scheduler.yoco_keep_tokens = {sched.yoco_keep_tokens}: with yoco_truncation = "
-                f"{sched.yoco_truncation!r} it must be >= sliding_window + backtracking tokens = {window} + "
-                f"{self.backtracking_tokens} = {needed} (140 is the reference's recommendation for V4.1-Flash)",
+                f"{sched.yoco_truncation!r} it must be >= sliding_window + {what} = {window} + "
+                f"{margin} = {needed} (140 is the reference's recommendation for V4.1-Flash)",
                 field="scheduler.yoco_keep_tokens",
             )
         if sched.yoco_truncation == "compact":

@@ -319,6 +319,7 @@ class AsyncLLM:
         text, ids = self._prompt(prompt)
         cfg = llm.model.config
         arr = validate_request(ids, params, vocab_size=cfg.vocab_size, max_model_len=llm.max_model_len)
+        llm.check_replay(params)
         if params.stop and llm.tokenizer is None:
             raise ValueError("sampling_params.stop needs a tokenizer to match text; this model has none")
         if params.n != 1:

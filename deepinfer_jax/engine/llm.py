@@ -323,6 +323,15 @@ def _prefix_options(
     cache = config.cache
     if not cache.enable_prefix_caching:
         return None
+    if config.scheduler.yoco_truncation != "off":
+        # A cached window state of the consumer layers holds only the positions >= L - K of the request that
+        # wrote it; a later request with a shorter full length would read unwritten ring entries.
+        logging.warning(
+            "cache.enable_prefix_caching is off with scheduler.yoco_truncation = %r (SWA bounded replay's window "
+            "state depends on each request's full length)",
+            config.scheduler.yoco_truncation,
+        )
+        return None
     layout = paged.layout()
     snapshots = layout.bytes_per_slot > 0  # per-sequence state outside the blocks (V4, V4.1)
     ratio = cache.state_slots_ratio
@@ -639,12 +648,20 @@ class LLM:
         max_num_batched_tokens = device_share(max_num_batched_tokens, num_devices)
 
         _, paged_model = self.model.family.engine_support()
+        self.replay = config.scheduler.yoco_truncation
+        """SWA bounded replay's mode (``scheduler.yoco_truncation``; docs/models_v41.md)."""
+        replay = (
+            {}
+            if self.replay == "off"
+            else {"replay": self.replay, "replay_keep": config.scheduler.yoco_keep_tokens}
+        )
         self.paged_model = paged_model(
             self.model,
             block_size=config.cache.block_size,
             dtype=dtype,
             kv_cache_dtype=kv_cache_dtype,
             draft_tokens=self.num_draft_tokens,
+            **replay,
         )
         self.prefix_cache = _prefix_options(
             config,
@@ -757,6 +774,8 @@ class LLM:
             force_drafts=config.speculative.force_draft_tokens,
             prefix_cache=self.prefix_cache,
         )
+        if self.replay != "off":
+            self.scheduler.replay_keep = config.scheduler.yoco_keep_tokens
         self.last_stats: RunStats | None = None
         self.expert_balancer: MeshExpertBalancer | None = None
         """EPLB of a mesh with ``expert_parallel_size > 1`` (:mod:`deepinfer_jax.engine.mesh_eplb`), else None."""
@@ -833,6 +852,7 @@ class LLM:
                 max_blocks_per_seq=self.scheduler.max_blocks_per_seq,
                 vocab_size=self.executor.vocab_size,
                 num_draft_tokens=k,
+                replay_keep=self.scheduler.replay_keep,
             )
 
         def run(size: int) -> None:
@@ -957,6 +977,17 @@ class LLM:
 
     # -------------------------------------------------------------------------------------- generate
 
+    def check_replay(self, params: SamplingParams, index: int | None = None) -> None:
+        """Refuse what SWA bounded replay cannot compute: prompt logprobs (the consumer layers do not see the
+        prompt's rows before ``L - K``). ``ValueError`` naming both settings."""
+        if self.replay != "off" and params.prompt_logprobs is not None:
+            where = "" if index is None else f"request {index}: "
+            raise ValueError(
+                f"{where}sampling_params.prompt_logprobs = {params.prompt_logprobs} is impossible with "
+                f"scheduler.yoco_truncation = {self.replay!r} (the YOCO consumer layers skip the prompt's rows "
+                "before L - yoco_keep_tokens); turn one of them off"
+            )
+
     def generate(
         self,
         prompts: Any = None,
@@ -993,6 +1024,7 @@ class LLM:
             arr = validate_request(
                 ids, p, vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, index=i
             )
+            self.check_replay(p, index=i)
             if (p.stop or p.bad_words or p.structured_outputs) and self.tokenizer is None:
                 name = "stop" if p.stop else "bad_words" if p.bad_words else "structured_outputs"
                 raise ValueError(

@@ -200,6 +200,11 @@ class StepInputs(NamedTuple):
       snapshots: int32 ``[D, 3, J]`` prefix caching's window-state snapshots (``(row, boundary, slot)``, slot
         ``-1`` = none; :class:`~deepinfer_jax.cache.ragged.RaggedMeta`), or ``None`` when the step takes none.
         Each snapshot's slot is also a destination of ``copies`` (the row's slot, copied before the step).
+      replay_from: int32 ``[D, S]`` SWA bounded replay (``scheduler.yoco_truncation``, docs/models_v41.md): the
+        first position the YOCO consumer layers of each prefill row may see, ``R = L - K`` with ``L`` the request's
+        known tokens when the step is planned (``num_known``: prompt and outputs, not the token in flight, so
+        every chunk of a prompt has the same bound); ``-1`` = no bound (decode rows, padding, ``R < 0``).
+        ``None`` when truncation is off.
 
     The position of the token a row samples is ``context_lens[d, s]`` (the 0-based index of the new token in
     the request's full sequence), which is what position-keyed sampling needs.
@@ -219,6 +224,7 @@ class StepInputs(NamedTuple):
     copies: Any = None
     spec: Any = None
     snapshots: Any = None
+    replay_from: Any = None
 
 
 class SpecInputs(NamedTuple):
@@ -480,6 +486,7 @@ def build_plan(
     force_drafts: bool = False,
     device_resplit: bool = False,
     min_copies: tuple[int, int, int] = (0, 0, 0),
+    replay_keep: int = 0,
 ) -> StepPlan:
     """The :class:`StepPlan` of one step: every device's batch (``None`` = nothing to run) in one padded plan.
 
@@ -488,7 +495,8 @@ def build_plan(
     a row whose input is still on the device), positions, rows, slots, block tables, prompt lengths, the sampling
     tensors (parameters, seeds and the positions of the tokens the rows sample) and the prompt-logprob targets.
     ``min_copies`` gives the least widths of the block copies, slot copies and snapshots (fixed widths keep one
-    compiled step whatever a step copies: prefix caching with snapshots).
+    compiled step whatever a step copies: prefix caching with snapshots). ``replay_keep > 0`` (SWA bounded
+    replay's ``K``) fills ``StepInputs.replay_from`` for every step, so the step's inputs keep one structure.
     """
     real = [b for b in batches if b is not None]
     if not real:
@@ -511,6 +519,7 @@ def build_plan(
     next_ids = np.full((d, s), -1, np.int32)
     forced = np.full((d, s, num_draft_tokens), -1, np.int32) if speculative and force_drafts else None
     realloc = np.zeros((d, s), np.bool_) if speculative and device_resplit else None
+    replay_from = np.full((d, s), -1, np.int32) if replay_keep > 0 else None
     params, seeds, sample_pos, output_lens, row_index, extra = [], [], [], [], [], []
     grammars: list[tuple[int, Any]] = []  # (row, the request's RequestGrammar) of sampled constrained rows
     wanted = prompt_wanted = 0
@@ -547,6 +556,11 @@ def build_plan(
             context_lens[dev, i] = context
             block_tables[dev, i, : len(req.block_ids)] = req.block_ids
             sample[dev, i] = row.sample
+            if replay_from is not None and not row.decode and not row.num_drafts:
+                # L = the tokens the host knows (not the token this step samples, which total_len already
+                # counts): the same for every chunk of a prompt.
+                full_len = int(getattr(req, "num_known", context))
+                replay_from[dev, i] = max(full_len - replay_keep, -1)
             prompt_len = req.prompt_len
             prompt_lens[dev, i] = prompt_len
             p = req.params
@@ -640,6 +654,7 @@ def build_plan(
         copies,
         SpecInputs(num_drafts, shifted, next_ids, forced, verify_masks, realloc) if speculative else None,
         snapshots,
+        replay_from,
     )
     return StepPlan(
         inputs,

@@ -1753,6 +1753,7 @@ class Scheduler:
         self.banned_token_ids = tuple(int(t) for t in banned_token_ids)
         self.num_draft_tokens = first.num_draft_tokens
         self.force_drafts = first.force_drafts
+        self.replay_keep = 0  # SWA bounded replay's K (LLM sets it when scheduler.yoco_truncation is on)
         self._assigned: list[dict[str, None]] = [{} for _ in self.devices]  # insertion-ordered request ids
         self._owner: dict[str, int] = {}
         # The loads as of the last change that went through this object (a batch of add_request calls between
@@ -1950,6 +1951,7 @@ class Scheduler:
             force_drafts=self.force_drafts,
             device_resplit=self.devices[0].verify_planner is not None,
             min_copies=self._min_copies,
+            replay_keep=self.replay_keep,
         )
         if plan.mask_seconds:
             self.devices[0].stats.num_masked_steps += 1

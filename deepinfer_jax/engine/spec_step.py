@@ -136,6 +136,7 @@ def spec_device_step(
         inputs.seq_slots,
         inputs.block_tables,
         inputs.snapshots,
+        inputs.replay_from,
     )
     hidden, cache = model.forward_hidden(params, cache, token_ids, meta, tile=tile)
     j = jnp.arange(k + 1, dtype=jnp.int32)

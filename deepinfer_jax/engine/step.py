@@ -315,6 +315,7 @@ def device_step(
         inputs.seq_slots,
         inputs.block_tables,
         inputs.snapshots,
+        inputs.replay_from,
     )
     tile = BATCH_INVARIANT_TILE if batch_invariant else None
     prompt_out = None

@@ -163,6 +163,7 @@ def prepare_completion(ctx: ServingContext, body: Any) -> CompletionJob:
             validate_request(
                 ids, params, vocab_size=llm.model.config.vocab_size, max_model_len=llm.max_model_len
             )
+            llm.check_replay(params)
         except (TypeError, ValueError) as exc:
             where = "" if len(prompts) == 1 else f"prompt[{i}]: "
             raise APIError(400, f"{where}{exc}", param=param_of(str(exc)) or "prompt") from None

@@ -406,6 +406,7 @@ def prepare(
     llm = ctx.engine.llm
     try:
         validate_request(ids, params, vocab_size=llm.model.config.vocab_size, max_model_len=ctx.max_model_len)
+        llm.check_replay(params)
     except (TypeError, ValueError) as exc:
         message = str(exc)
         raise APIError(400, message, param=param_of(message) or protocol.prompt_field) from None

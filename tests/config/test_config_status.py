@@ -30,10 +30,7 @@ def test_the_table_in_the_docs_is_the_generated_one():
         "docs/config.md is out of date: run python -m deepinfer_jax.config.status --write docs/config.md"
     )
     table = status.settings_table()
-    assert (
-        "| `scheduler.yoco_truncation` | `DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE` | warns: not built yet |"
-        in table
-    )
+    assert "| `scheduler.yoco_truncation` | `DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE` | honoured |" in table
     assert "| — | `DEEPINFER_ENFORCE_EAGER` | warns: no effect |" in table
 
 
@@ -54,7 +51,7 @@ def test_a_setting_without_effect_warns_naming_its_source_and_reason():
         status.check_settings(cfg, sources)
     [message] = [str(w.message) for w in record]
     assert message.startswith("scheduler.yoco_keep_tokens = 200 (set by environment variable DEEPINFER_YOCO")
-    assert "not built yet: SWA bounded replay" in message
+    assert "has no effect here: scheduler.yoco_truncation is off" in message
     cfg, sources = _load(**{"scheduler.decode_bucket_interval": 16})
     with pytest.warns(
         ConfigWarning, match=r"decode_bucket_interval = 16 \(set by override .*step buckets are fixed"

@@ -179,11 +179,26 @@ def test_budget_checks(models):
 
 def test_yoco_truncation_checks(models):
     model = models["tiny_v41"]
+    # K defaults to 140; B is the DSpark block (4) when drafting, else the backtracking tokens.
+    assert (
+        EngineConfig(
+            model=model, scheduler=SchedulerConfig(yoco_truncation="mask")
+        ).scheduler.yoco_keep_tokens
+        == 140
+    )
     with pytest.raises(
-        ValueError, match=r"yoco_keep_tokens = 0: .* >= sliding_window \+ backtracking tokens = 16 \+ 5"
+        ValueError, match=r"yoco_keep_tokens = 19: .* >= sliding_window \+ dspark_block_size = 16 \+ 4 = 20"
     ):
-        EngineConfig(model=model, scheduler=SchedulerConfig(yoco_truncation="mask"))
-    ok = EngineConfig(model=model, scheduler=SchedulerConfig(yoco_truncation="mask", yoco_keep_tokens=21))
+        EngineConfig(model=model, scheduler=SchedulerConfig(yoco_truncation="mask", yoco_keep_tokens=19))
+    with pytest.raises(
+        ValueError, match=r"yoco_keep_tokens = 16: .* >= sliding_window \+ backtracking tokens = 16 \+ 1"
+    ):
+        EngineConfig(
+            model=model,
+            scheduler=SchedulerConfig(yoco_truncation="mask", yoco_keep_tokens=16),
+            speculative=SpeculativeConfig(num_draft_tokens=0),
+        )
+    ok = EngineConfig(model=model, scheduler=SchedulerConfig(yoco_truncation="mask", yoco_keep_tokens=20))
     assert ok.scheduler.yoco_truncation == "mask"
     # tiny_v41's draft targets 4, 5, 6 all lie in the consumer half, so compact mode is allowed ...
     EngineConfig(model=model, scheduler=SchedulerConfig(yoco_truncation="compact", yoco_keep_tokens=21))

@@ -66,7 +66,10 @@ def test_variables_are_logged_and_those_without_effect_warn(monkeypatch, caplog,
         for m in messages
     )
     assert any("DEEPINFER_ENFORCE_EAGER" in m for m in messages)
-    assert "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS = '200': sets scheduler.yoco_keep_tokens (warns" in caplog.text
+    assert (
+        "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS = '200': sets scheduler.yoco_keep_tokens (honoured)"
+        in caplog.text
+    )
     assert "DEEPINFER_ENFORCE_EAGER = '1': no effect" in caplog.text
     assert _tokens(llm) == reference  # warned settings change nothing
 

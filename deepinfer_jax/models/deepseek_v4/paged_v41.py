@@ -66,6 +66,8 @@ from deepinfer_jax.cache.ragged import (
     compressed_slots,
     history,
     page_rows,
+    replay_bounded,
+    replay_compact,
     ring_write,
     rowwise_meta,
 )
@@ -104,6 +106,7 @@ __all__ = ["V41PagedModel", "cache_storage", "paged_model"]
 
 Params = Mapping[str, Any]
 _MODES = ("float32", "bfloat16")
+_REPLAY_MODES = ("off", "mask", "compact")
 
 
 # ------------------------------------------------------------------------------------- per-step cross
@@ -158,6 +161,10 @@ class V41PagedModel(PagedModel):
             ``B`` is the margin every per-slot ring gets (``W + B`` window and draft rings, ``r + B`` C2 pending,
             ``Nmax - 1 + B`` Engram history): a step writes at most ``B`` positions past the last token it keeps,
             and the rejected ones must not overwrite a position a later step reads (docs/speculative.md).
+        replay, replay_keep: SWA bounded replay (``scheduler.yoco_truncation`` / ``yoco_keep_tokens``,
+            docs/models_v41.md): ``"off"``, ``"mask"`` (every row computed, the consumer layers' windows narrowed to
+            ``RaggedMeta.replay_from``) or ``"compact"`` (the consumer layers run only on the kept rows, at most
+            ``min(T, S * replay_keep)`` of them); a static option, so each mode compiles its own steps.
     """
 
     static: V41Static
@@ -168,10 +175,20 @@ class V41PagedModel(PagedModel):
     index_head_dim: int
     use_fp4: bool
     dspark: DSparkStatic | None = None
+    replay: str = "off"
+    replay_keep: int = 0
 
     @classmethod
     def create(
-        cls, model: Any, *, block_size: int, dtype: str, cache_dtype: str, draft_tokens: int = 0
+        cls,
+        model: Any,
+        *,
+        block_size: int,
+        dtype: str,
+        cache_dtype: str,
+        draft_tokens: int = 0,
+        replay: str = "off",
+        replay_keep: int = 0,
     ) -> V41PagedModel:
         """The paged model of a loaded V4.1 model (``load_model``'s result), refusing what it cannot page.
 
@@ -183,7 +200,9 @@ class V41PagedModel(PagedModel):
             ValueError: a ``dtype`` outside ``("float32", "bfloat16")``, a ``cache_dtype`` outside ``("auto",
                 "float32", "bfloat16", "quantized")``, parameters assembled
                 in another precision mode, a ``block_size`` that some compress ratio does not divide, or
-                ``draft_tokens`` for a model without a drafter or above its block size.
+                ``draft_tokens`` for a model without a drafter or above its block size, a ``replay`` outside
+                ``("off", "mask", "compact")``, or bounded replay on a model without YOCO consumer layers or with
+                ``replay_keep`` below ``sliding_window + ring margin``.
         """
         if dtype not in _MODES:
             raise ValueError(f"dtype: {dtype!r} is not a precision mode; expected one of {_MODES}")
@@ -210,9 +229,38 @@ class V41PagedModel(PagedModel):
             index_head_dim=int(cfg.index_head_dim or 0),
             use_fp4=cfg.use_fp4_sparse_kv is not False,
             dspark=dspark,
+            replay=replay,
+            replay_keep=int(replay_keep) if replay != "off" else 0,
         )
         out.check_block_size(block_size)
+        out._check_replay()
         return out
+
+    def _check_replay(self) -> None:
+        if self.replay not in _REPLAY_MODES:
+            raise ValueError(
+                f"scheduler.yoco_truncation: {self.replay!r} is not a mode; expected one of {_REPLAY_MODES}"
+            )
+        if self.replay == "off":
+            return
+        if not any(lp.yoco_consumer for lp in self.layers):
+            raise ValueError(
+                f"scheduler.yoco_truncation = {self.replay!r}: this model has no YOCO consumer layers"
+            )
+        needed = self.window + self.ring_margin
+        if self.replay_keep < needed:
+            raise ValueError(
+                f"scheduler.yoco_keep_tokens = {self.replay_keep}: must be >= sliding_window + ring margin = "
+                f"{self.window} + {self.ring_margin} = {needed}"
+            )
+        if self.replay == "compact":
+            npl = min(lp.layer for lp in self.layers if lp.yoco_consumer)
+            late = [lp.layer for lp in self.layers if lp.has_engram and lp.layer >= npl]
+            if late:
+                raise ValueError(
+                    f"scheduler.yoco_truncation = 'compact': Engram layers {late} lie in the YOCO consumer half "
+                    f"(from layer {npl}); compaction needs them on the prefill side"
+                )
 
     # -------------------------------------------------------------------------------- static facts
 
@@ -416,7 +464,20 @@ class V41PagedModel(PagedModel):
             grams, engram_ring = self._engram_ngrams(params, token_ids, engram_ring, meta)
         cross = _StepCross()
         captured: dict[int, jax.Array] = {}
+        replay = self.replay if meta.replay_from is not None else "off"
+        full: tuple[RaggedMeta, jax.Array] | None = None  # compact replay: the full layout's meta and ĥ
+        gather = before = None
         for lp, spec, p in zip(self.layers, st.attention, params["layers"], strict=True):
+            if replay == "compact" and lp.captures_shared_hidden:
+                # SWA bounded replay, compact: ĥ of every row (the consumer half's compressed keys are written
+                # from it over the whole chunk), then the consumer layers run on the kept rows only.
+                hat = rowwise(lambda s, c, p=p: self._attention_input(p, s, c), tile, streams, carried_pre)
+                full = (meta, hat)
+                size = min(tokens, meta.num_rows * self.replay_keep)
+                meta, gather = replay_compact(meta, size)
+                before = (streams, carried_pre)
+                streams, carried_pre = _at(streams, gather), _at(carried_pre, gather)
+                cross = _StepCross(shared_hidden=hat)
             if lp.has_engram:
                 assert grams is not None and st.engram is not None and lp.engram_slot is not None
                 rows = hash_rows(grams, st.engram, lp.engram_slot)
@@ -431,11 +492,22 @@ class V41PagedModel(PagedModel):
                     lambda s: jnp.mean(s.astype(jnp.float32), axis=-2), tile, streams
                 )
             streams, carried_pre, cross, cache = self._attention_sublayer(
-                p, lp, spec, streams, carried_pre, cross, cache, meta, tile
+                p, lp, spec, streams, carried_pre, cross, cache, meta, tile, replay=replay, full=full
             )
             streams, carried_pre = rowwise(
                 lambda s, c, p=p: self._ffn_sublayer(p, s, c), tile, streams, carried_pre
             )
+        if gather is not None:
+            # Back to the full layout: kept rows get their consumer-half result, dropped rows keep the state they
+            # entered the consumer half with (nothing reads them: they are neither sampled nor stored).
+            streams = before[0].at[gather].set(streams, mode="drop")
+            carried_pre = before[1].at[gather].set(carried_pre, mode="drop")
+            for layer in captured:
+                if self.layers[layer].yoco_consumer:
+                    c = captured[layer]
+                    captured[layer] = (
+                        jnp.zeros((tokens, *c.shape[1:]), c.dtype).at[gather].set(c, mode="drop")
+                    )
         out = CompressedCache(
             **{k: tuple(v) for k, v in cache.items()}, engram=engram_ring, draft=draft_rings
         )
@@ -501,8 +573,13 @@ class V41PagedModel(PagedModel):
 
             phi = target_features(captured, static=ds)  # [T, T·H]
             new = rowwise(keys, tile, phi, meta.positions)  # one [T, D] per draft layer
+            # Under bounded replay the target features of rows below the bound are not the model's (compact mode
+            # does not compute them); the drafter reads only the last W positions, all kept, so they are not
+            # stored.
+            store = replay_bounded(meta)[0] if self.replay != "off" else meta
             rings = tuple(
-                ring_write(ring, k.astype(ring.dtype), meta) for ring, k in zip(cache.draft, new, strict=True)
+                ring_write(ring, k.astype(ring.dtype), store)
+                for ring, k in zip(cache.draft, new, strict=True)
             )
             cache = cache._replace(draft=rings)
         return hidden, cache
@@ -600,6 +677,11 @@ class V41PagedModel(PagedModel):
         mix = hc_mixes(streams, **hc, hc_eps=st.hc_eps, sinkhorn_iters=st.hc_sinkhorn_iters, norm_eps=st.eps)
         return hc_collapse(streams, carried_pre if st.hc_shifted else mix.pre), mix
 
+    def _attention_input(self, p: Params, streams: jax.Array, carried_pre: jax.Array) -> jax.Array:
+        """``x̂``, the attention-norm output of a layer (of ``n_prefill_layer``: the shared hidden ``ĥ``)."""
+        x, _ = self._mix(streams, p["hc_attn"], carried_pre)
+        return rms_norm(x, p["attn_norm"], eps=self.static.eps)
+
     def _ffn_sublayer(
         self, p: Params, streams: jax.Array, carried_pre: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
@@ -619,8 +701,16 @@ class V41PagedModel(PagedModel):
         cache: dict[str, Any],
         meta: RaggedMeta,
         tile: int | None,
+        *,
+        replay: str = "off",
+        full: tuple[RaggedMeta, jax.Array] | None = None,
     ) -> tuple[jax.Array, jax.Array, _StepCross, dict[str, Any]]:
-        """One layer's attention sub-layer (§6.4 around §7.11) over the flat batch."""
+        """One layer's attention sub-layer (§6.4 around §7.11) over the flat batch.
+
+        SWA bounded replay (``replay`` not ``"off"``, consumer layers only): each token's window is narrowed to
+        positions ``>= replay_from`` of its row and tokens below that bound store no window key. In compact mode
+        ``meta`` is the compact layout and ``full`` the full layout's meta and ``ĥ``: the compressed (and indexer)
+        keys are written from ``ĥ`` over every row of the chunk, as without truncation."""
         st = self.static
         a = p["attn"]
         freqs = spec.freqs()
@@ -637,7 +727,7 @@ class V41PagedModel(PagedModel):
             return mix.pre, mix.post, mix.comb, x_hat, q_latent, q, kv
 
         pre, post, comb, x_hat, q_latent, q, kv = rowwise(project, tile, streams, carried_pre, cos, sin)
-        if lp.captures_shared_hidden:
+        if lp.captures_shared_hidden and full is None:
             cross = cross._replace(shared_hidden=x_hat)
 
         # Window keys (§7.2): this step's keys as stored (records or values), then the row's last W stored. The
@@ -646,7 +736,12 @@ class V41PagedModel(PagedModel):
         new = wnd.encode(kv)
         ring = cache["window"][lp.layer]
         stored, present = history(ring, new, meta, spec.window)
-        cache["window"][lp.layer] = ring_write(ring, new, meta, after=stored)
+        store_meta = meta
+        if replay != "off" and lp.yoco_consumer:
+            store_meta, bound = replay_bounded(meta)
+            seen = meta.positions[:, None] - spec.window + 1 + jnp.arange(spec.window, dtype=jnp.int32)[None]
+            present = present & (seen >= bound[:, None])
+        cache["window"][lp.layer] = ring_write(ring, new, store_meta, after=stored)
 
         scale = spec.head_dim**-0.5
         # Batch-invariant mode runs the attention in fixed tiles too (rowwise_meta): its contractions are
@@ -662,7 +757,11 @@ class V41PagedModel(PagedModel):
             out = rowwise_meta(window_only, tile, meta, (q, stored, present))
         else:
             if lp.is_kv_source or lp.is_index_k_source:
-                cross, cache = self._compressed_writes(p, lp, spec, x_hat, cross, cache, meta, tile)
+                if full is not None and lp.yoco_consumer:
+                    # Compact replay: every row's compressed keys, from ĥ (= x̂ of n_prefill_layer).
+                    cross, cache = self._compressed_writes(p, lp, spec, full[1], cross, cache, full[0], tile)
+                else:
+                    cross, cache = self._compressed_writes(p, lp, spec, x_hat, cross, cache, meta, tile)
 
             def compressed(m: RaggedMeta, t: tuple[Any, ...]) -> tuple[Any, ...]:
                 xh, ql, qq, window, mask, selection, candidates = t
@@ -1016,10 +1115,23 @@ def cache_storage(dtype: str, kv_cache_dtype: str = "auto") -> str:
 
 
 def paged_model(
-    model: Any, *, block_size: int, dtype: str, kv_cache_dtype: str = "auto", draft_tokens: int = 0
+    model: Any,
+    *,
+    block_size: int,
+    dtype: str,
+    kv_cache_dtype: str = "auto",
+    draft_tokens: int = 0,
+    replay: str = "off",
+    replay_keep: int = 0,
 ) -> V41PagedModel:
     """The engine's view of a loaded V4.1 model (``load_model``'s result); ``draft_tokens > 0`` runs its DSpark
-    drafter in the step."""
+    drafter in the step; ``replay`` / ``replay_keep`` select SWA bounded replay (``V41PagedModel``)."""
     return V41PagedModel.create(
-        model, block_size=block_size, dtype=dtype, cache_dtype=kv_cache_dtype, draft_tokens=draft_tokens
+        model,
+        block_size=block_size,
+        dtype=dtype,
+        cache_dtype=kv_cache_dtype,
+        draft_tokens=draft_tokens,
+        replay=replay,
+        replay_keep=replay_keep,
     )
