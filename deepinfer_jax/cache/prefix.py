@@ -273,15 +273,16 @@ class SnapshotPool:
                 return slot
         return None
 
-    def commit(self, slot: int, key: bytes) -> None:
+    def commit(self, slot: int, key: bytes) -> bool:
         """Cache the snapshot written into ``slot`` (from :meth:`take`) under ``key``; an existing snapshot of the
-        same key wins and ``slot`` is freed."""
+        same key wins and ``slot`` is freed (False)."""
         if key in self._slot_of:
             self._free.append(slot)
-            return
+            return False
         self._slot_of[key] = slot
         self._key_of[slot] = key
         self._lru[slot] = None
+        return True
 
     def demote(self, key: bytes) -> None:
         """Make ``key``'s snapshot the first to be evicted (a later snapshot of the same sequence supersedes it:

@@ -208,7 +208,8 @@ FIELDS: dict[str, Setting] = {
     "scheduler.yoco_truncation": _honoured(
         "SWA bounded replay of deepseek_v41 (docs/models_v41.md): 'mask' narrows the YOCO consumer layers' windows "
         "to the last yoco_keep_tokens positions of each prompt, 'compact' also runs those layers on the kept rows "
-        "only; prompt logprobs are refused and prefix caching is turned off"
+        "only; prompt logprobs are refused; prefix-cache hits restore a snapshot only where its bound allows "
+        "(docs/prefix_cache.md)"
     ),
     "scheduler.yoco_keep_tokens": _honoured(
         "K of SWA bounded replay: consumer layers see positions >= L - K of a prompt of L tokens (K >= "

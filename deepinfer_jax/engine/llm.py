@@ -323,15 +323,6 @@ def _prefix_options(
     cache = config.cache
     if not cache.enable_prefix_caching:
         return None
-    if config.scheduler.yoco_truncation != "off":
-        # A cached window state of the consumer layers holds only the positions >= L - K of the request that
-        # wrote it; a later request with a shorter full length would read unwritten ring entries.
-        logging.warning(
-            "cache.enable_prefix_caching is off with scheduler.yoco_truncation = %r (SWA bounded replay's window "
-            "state depends on each request's full length)",
-            config.scheduler.yoco_truncation,
-        )
-        return None
     layout = paged.layout()
     snapshots = layout.bytes_per_slot > 0  # per-sequence state outside the blocks (V4, V4.1)
     ratio = cache.state_slots_ratio
@@ -373,6 +364,7 @@ def _prefix_options(
         host_ttl_s=cache.host_ttl_s,
         block_bytes=layout.bytes_per_block,
         slot_bytes=layout.bytes_per_slot if snapshots else 0,
+        replay_keep=0 if config.scheduler.yoco_truncation == "off" else config.scheduler.yoco_keep_tokens,
     )
 
 

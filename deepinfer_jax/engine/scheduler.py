@@ -100,6 +100,10 @@ class PrefixCacheOptions:
       host_memory, host_ttl_s: the host-memory tier of evicted blocks and snapshots (bytes per device; 0 = off)
         and how long an entry lives after it was stored or last used.
       block_bytes, slot_bytes: what one block and one snapshot take in the host tier.
+      replay_keep: SWA bounded replay's ``K`` (``scheduler.yoco_truncation`` on; 0 = off). The consumer layers'
+        window entries of a snapshot then depend on the bound ``R = L - K`` of the request that wrote it, so a
+        hit at boundary ``h`` restores a snapshot only for a request that needs none of them (its own
+        ``R' >= h``) or whose bound is the same (docs/prefix_cache.md).
     """
 
     salt: bytes = b""
@@ -112,6 +116,13 @@ class PrefixCacheOptions:
     host_ttl_s: float = 7 * 86400.0
     block_bytes: int = 0
     slot_bytes: int = 0
+    replay_keep: int = 0
+
+    def replay_bound(self, known: int) -> int:
+        """The bound ``R = L - K`` of a request that knows ``known`` tokens (``-1``: none, also for ``R <= 0``,
+        which bounds nothing)."""
+        bound = known - self.replay_keep
+        return bound if self.replay_keep and bound > 0 else -1
 
 
 class RequestStatus(enum.Enum):
@@ -202,6 +213,9 @@ class Request:
         self.num_registered = 0
         self.snapshots: dict[int, int] = {}
         self.snapshot_frontier = 0  # blocks before its newest snapshot (committed or restored)
+        # SWA bounded replay: the bound R = L - K its consumer layers were computed under (-1: none), fixed at
+        # admission; the snapshots it writes carry it.
+        self.replay_bound = -1
         self.num_cached_tokens = 0
 
     @property
@@ -470,6 +484,7 @@ class DeviceScheduler:
         num_blocks = _positive("num_blocks", num_blocks, 2)
         slots = _positive("num_state_slots", slots, 2)
         self.snapshots: SnapshotPool | None = None
+        self._snapshot_bounds: dict[bytes, int] = {}  # bounded replay: a cached snapshot's writer's bound
         if prefix_cache is None:
             self.blocks = BlockAllocator(num_blocks, self.block_size)
         else:
@@ -837,6 +852,8 @@ class DeviceScheduler:
                 break
             self._waiting.popleft()
             self._count_lookup(req, start)
+            if self.prefix_cache is not None:
+                req.replay_bound = self.prefix_cache.replay_bound(req.num_known)
             if hit:
                 self.blocks.acquire(hit)
             req.block_ids = hit + self.blocks.allocate(need)
@@ -927,13 +944,16 @@ class DeviceScheduler:
         n = len(blocks) + len(host)
         if self.prefix_cache is not None and self.prefix_cache.snapshots:
             pool = self.snapshots
+            bound = self.prefix_cache.replay_bound(req.num_known)
             restore: int | HostEntry | None = None
             while n:
-                restore = None if pool is None else pool.get(keys[n - 1])
-                if restore is None and self.host is not None:
-                    restore = self.host.get("state", keys[n - 1])
-                if restore is not None:
-                    break
+                key = keys[n - 1]
+                if self._snapshot_usable(key, n * self.block_size, bound):
+                    restore = None if pool is None else pool.get(key)
+                    if restore is None and self.host is not None:
+                        restore = self.host.get("state", key)
+                    if restore is not None:
+                        break
                 n -= 1
             if not n:
                 return [], [], None
@@ -964,12 +984,28 @@ class DeviceScheduler:
             while n < len(keys) and self.host.contains("block", keys[n]):
                 n += 1
         if opts.snapshots:
+            bound = opts.replay_bound(len(ids))
             while n and not (
-                (self.snapshots is not None and self.snapshots.get(keys[n - 1]) is not None)
-                or (self.host is not None and self.host.contains("state", keys[n - 1]))
+                self._snapshot_usable(keys[n - 1], n * self.block_size, bound)
+                and (
+                    (self.snapshots is not None and self.snapshots.get(keys[n - 1]) is not None)
+                    or (self.host is not None and self.host.contains("state", keys[n - 1]))
+                )
             ):
                 n -= 1
         return n * self.block_size
+
+    def _snapshot_usable(self, key: bytes, boundary: int, bound: int) -> bool:
+        """Whether the snapshot cached at ``boundary`` under ``key`` (if any) serves a request of replay bound
+        ``bound``. Without bounded replay, always. With it, the consumer layers' window entries of a snapshot
+        were computed under its writer's bound ``R_s`` (entries before ``R_s`` were never written, and the
+        ones after depend on it): a request whose own bound is at or past the boundary reads none of them (its
+        consumer rows and windows start at ``R' >= h``), and one with ``R' == R_s`` reads exactly what it would
+        have computed; any other steps back."""
+        opts = self.prefix_cache
+        if opts is None or not opts.replay_keep or bound >= boundary:
+            return True
+        return self._snapshot_bounds.get(key) == bound
 
     def _count_lookup(self, req: Request, hit_tokens: int) -> None:
         if self.prefix_cache is None:
@@ -999,7 +1035,9 @@ class DeviceScheduler:
             req.num_registered = done
         if req.snapshots and self.snapshots is not None:
             for n in sorted(n for n in req.snapshots if n <= req.num_registered):
-                self.snapshots.commit(req.snapshots.pop(n), req.block_keys[n - 1])
+                key = req.block_keys[n - 1]
+                if self.snapshots.commit(req.snapshots.pop(n), key) and self.prefix_cache.replay_keep:
+                    self._remember_bound(key, req.replay_bound)
                 if n > req.snapshot_frontier:
                     # The sequence's newest snapshot supersedes its older one, which goes first when slots run out.
                     if req.snapshot_frontier:
@@ -1007,6 +1045,19 @@ class DeviceScheduler:
                     req.snapshot_frontier = n
                 else:
                     self.snapshots.demote(req.block_keys[n - 1])
+
+    def _remember_bound(self, key: bytes, bound: int) -> None:
+        """Record the replay bound of the snapshot just cached under ``key``; the record outlives the slot while
+        the host tier may hold the snapshot, and records of snapshots held nowhere are pruned now and then."""
+        self._snapshot_bounds[key] = bound
+        live = (0 if self.snapshots is None else self.snapshots.size) + (0 if self.host is None else len(self.host))
+        if len(self._snapshot_bounds) > 2 * live + 64:
+            self._snapshot_bounds = {
+                k: b
+                for k, b in self._snapshot_bounds.items()
+                if (self.snapshots is not None and self.snapshots.get(k) is not None)
+                or (self.host is not None and self.host.contains("state", k))
+            }
 
     def _drop_snapshots(self, req: Request) -> None:
         """Free the snapshot slots whose boundary keys never became known (the request ended or was preempted
@@ -1085,6 +1136,7 @@ class DeviceScheduler:
             self.snapshots.clear()
         if self.host is not None:
             self.host.reset()
+        self._snapshot_bounds.clear()
         for req in self._running:
             req.num_registered = len(req.block_ids)  # their blocks stay theirs, unregistered
             self._drop_snapshots(req)
@@ -1151,6 +1203,7 @@ class DeviceScheduler:
                 else IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens),
             )
             child.parent, child.index = parent, i
+            child.replay_bound = parent.replay_bound
             child.bad_words_ids = parent.bad_words_ids
             child.grammar = None if parent.grammar is None else parent.grammar.fork()
             child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time

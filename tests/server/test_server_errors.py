@@ -385,3 +385,38 @@ def test_a_failed_step_is_a_500_and_the_server_serves_on(server, engine, monkeyp
     monkeypatch.setattr(executor, "run", original)
     ok = httpx2.post(f"{server.url}/v1/chat/completions", json={**body, "stream": False}, timeout=300)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
+
+
+async def _add(engine, prompt, params):
+    engine.add_request(prompt, params, "replay-refused")
+
+
+@pytest.mark.parametrize(
+    "route, body",
+    [
+        ("/v1/completions", {"model": "tiny-v3", "prompt": [5, 6, 7], "echo": True, "logprobs": 1}),
+        ("/v1/completions", {"model": "tiny-v3", "prompt": [[5, 6], [7, 8]], "echo": True, "logprobs": 0}),
+    ],
+    ids=["one prompt", "two prompts"],
+)
+def test_prompt_logprobs_under_bounded_replay_are_a_400(server, engine, monkeypatch, route, body):
+    """With ``scheduler.yoco_truncation`` on (``LLM.replay``, which ``LLM.check_replay`` reads; set here on the
+    served tiny-v3 engine, whose own model has no consumer layers to truncate), prompt logprobs (``echo`` with
+    ``logprobs``) are refused before the engine with a message naming both settings; the same request is
+    served once truncation is off again. ``AsyncLLM.add_request`` refuses them the same way."""
+    from deepinfer_jax import SamplingParams
+
+    with engine.exclusive() as llm:
+        monkeypatch.setattr(llm, "replay", "compact")
+    accepted = engine.stats().accepted
+    r = httpx2.post(f"{server.url}{route}", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "prompt_logprobs" in message and "scheduler.yoco_truncation = 'compact'" in message, message
+    assert engine.stats().accepted == accepted
+    with pytest.raises(ValueError, match=r"prompt_logprobs = 1 is impossible with scheduler.yoco_truncation"):
+        asyncio.run(_add(engine, {"prompt_token_ids": [5, 6, 7]}, SamplingParams(prompt_logprobs=1)))
+    assert engine.stats().accepted == accepted
+    monkeypatch.undo()
+    r = httpx2.post(f"{server.url}{route}", json=body, timeout=60)
+    assert r.status_code == 200, r.text
