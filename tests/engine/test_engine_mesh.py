@@ -297,3 +297,34 @@ def test_two_processes_run_the_mesh_engine(tmp_path, dp, ep, extra, reads):
     initial = [i % 8 for i in range(-(-(8 + extra) // ep) * ep)]
     assert got[0]["placements"]["layers.1.mlp.experts"] != initial
     assert got[0]["laid_out"] == got[0]["placements"]["layers.1.mlp.experts"]
+
+
+def test_structured_outputs_on_the_mesh_equal_one_device():
+    """Constrained requests spread over the dp=2 x ep=4 mesh by the router (eight requests, eight devices; each
+    device fills the masks of its own rows)
+    give the one-device engine's tokens, greedy: a JSON schema, a regex, a choice, with a free request among
+    them; every JSON answer that stops validates."""
+    import jsonschema
+
+    from deepinfer_jax import StructuredOutputsParams as SO
+
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "c": {"enum": ["x", "y"]}},
+        "required": ["n", "c"],
+        "additionalProperties": False,
+    }
+    kinds = [SO(json=schema), SO(regex=r"[0-9]{3}-[a-z]{2}"), SO(choice=["alpha", "beta"]), None] * 2
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=so) for so in kinds]
+    prompts = [np.random.default_rng(40 + i).integers(2, 512, 5 + 3 * i).tolist() for i in range(len(kinds))]
+    outs = {
+        n: _llm(*mesh).generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        for n, mesh in (("mesh", (2, 4)), ("one", (1, 1)))
+    }
+    for so, a, b in zip(kinds, outs["mesh"], outs["one"], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        c = a.outputs[0]
+        if so is not None and so.json is not None and c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), schema)
+        elif so is not None and so.choice is not None:
+            assert c.text in ("alpha", "beta")
