@@ -35,7 +35,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    common = dict(dtype=args.dtype, max_num_seqs=args.prompts, max_num_batched_tokens=1024, num_draft_tokens=0)
+    common = dict(
+        dtype=args.dtype, max_num_seqs=args.prompts, max_num_batched_tokens=1024, num_draft_tokens=0
+    )
     off = LLM(args.model, **common, enable_prefix_caching=False)
     compact = LLM(
         args.model,
@@ -47,7 +49,10 @@ def main() -> int:
     lengths = np.random.default_rng(0).integers(200, 901, args.prompts)
     samples = off.generate(
         [{"prompt_token_ids": [bos]}] * args.prompts,
-        [SamplingParams(temperature=0.8, max_tokens=int(n), seed=i, ignore_eos=True) for i, n in enumerate(lengths)],
+        [
+            SamplingParams(temperature=0.8, max_tokens=int(n), seed=i, ignore_eos=True)
+            for i, n in enumerate(lengths)
+        ],
         use_tqdm=False,
     )
     prompts = [[bos, *s.outputs[0].token_ids] for s in samples]
@@ -67,13 +72,24 @@ def main() -> int:
             margin = float(top[0] - top[1])
         n = len(x) if first is None else first  # the common prefix: the same token, compare its logprob
         gap = max(
-            (abs(a.outputs[0].logprobs[j][x[j]].logprob - b.outputs[0].logprobs[j][x[j]].logprob) for j in range(n)),
+            (
+                abs(a.outputs[0].logprobs[j][x[j]].logprob - b.outputs[0].logprobs[j][x[j]].logprob)
+                for j in range(n)
+            ),
             default=0.0,
         )
         rows.append(
-            {"prompt": i, "length": len(p), "first_difference": first, "off_margin": margin, "max_logprob_gap": gap}
+            {
+                "prompt": i,
+                "length": len(p),
+                "first_difference": first,
+                "off_margin": margin,
+                "max_logprob_gap": gap,
+            }
         )
-        where = "identical" if first is None else f"differs at token {first} (off's top-2 margin {margin:.4f})"
+        where = (
+            "identical" if first is None else f"differs at token {first} (off's top-2 margin {margin:.4f})"
+        )
         print(f"prompt {i:2d} ({len(p)} tokens): {where}; largest logprob change {gap:.2e}")
     total = args.prompts * args.reply
     agree = sum(r["first_difference"] is None for r in rows)

@@ -1050,7 +1050,9 @@ class DeviceScheduler:
         """Record the replay bound of the snapshot just cached under ``key``; the record outlives the slot while
         the host tier may hold the snapshot, and records of snapshots held nowhere are pruned now and then."""
         self._snapshot_bounds[key] = bound
-        live = (0 if self.snapshots is None else self.snapshots.size) + (0 if self.host is None else len(self.host))
+        live = (0 if self.snapshots is None else self.snapshots.size) + (
+            0 if self.host is None else len(self.host)
+        )
         if len(self._snapshot_bounds) > 2 * live + 64:
             self._snapshot_bounds = {
                 k: b
