@@ -36,6 +36,9 @@ def main() -> int:
     ap.add_argument("--prompt_len", type=int, default=16)
     ap.add_argument("--output_len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--num_draft_tokens", type=int, default=None, help="speculative drafts (default: the model's natural length)"
+    )
     args = ap.parse_args()
 
     import numpy as np
@@ -43,17 +46,25 @@ def main() -> int:
     from deepinfer_jax import LLM, SamplingParams, StructuredOutputsParams
 
     llm = LLM(
-        args.model, dtype="float32", max_num_seqs=16, max_num_batched_tokens=256, kv_cache_memory=64 << 20
+        args.model,
+        dtype="float32",
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        kv_cache_memory=64 << 20,
+        num_draft_tokens=args.num_draft_tokens,
     )
     so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     base = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     sides = {"free": base, "json": base.replace(structured_outputs=so)}
     rng = np.random.default_rng(0)
-    print(f"model {args.model}, prompt {args.prompt_len}, output {args.output_len}, {os.cpu_count()} CPUs")
+    print(
+        f"model {args.model}, drafts {llm.num_draft_tokens}, prompt {args.prompt_len}, output {args.output_len}, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+    )
     for n in (int(x) for x in args.seqs.split(",")):
         prompts = [rng.integers(10, 500, args.prompt_len).tolist() for _ in range(n)]
         rates: dict[str, list[float]] = {k: [] for k in sides}
-        mask = [0.0, 0]
+        mask = [0.0, 0, 0]
         for rep in range(args.repeats + 1):
             for name, p in sides.items():
                 before = llm.scheduler.stats
@@ -68,13 +79,15 @@ def main() -> int:
                     if name == "json":
                         mask[0] += after.mask_seconds - before.mask_seconds
                         mask[1] += after.num_masked_steps - before.num_masked_steps
+                        mask[2] += after.num_deferred_masks - before.num_deferred_masks
         med = {k: statistics.median(v) for k, v in rates.items()}
         best = {k: max(v) for k, v in rates.items()}
         per_step = 1e6 * mask[0] / max(mask[1], 1)
         print(
             f"{n:>2} seqs: free {med['free']:.1f} tok/s (best {best['free']:.1f}), json {med['json']:.1f} tok/s "
             f"(best {best['json']:.1f}); json/free median {med['json'] / med['free']:.3f}, best "
-            f"{best['json'] / best['free']:.3f}; masks {per_step:.0f} us per masked step over {mask[1]} steps"
+            f"{best['json'] / best['free']:.3f}; masks {per_step:.0f} us per masked step over {mask[1]} steps, "
+            f"{mask[2]} rows with deferred masks"
         )
     llm.close()
     return 0

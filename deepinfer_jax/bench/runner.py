@@ -62,7 +62,7 @@ class StepTimer:
     @contextlib.contextmanager
     def attach(self, llm: LLM) -> Iterator[StepTimer]:
         runner = llm.runner
-        names = ("_dispatch", "_process")
+        names = ("_dispatch", "_process", "_finish")
         scheduler = llm.scheduler
         if not all(callable(getattr(runner, n, None)) for n in names) or not hasattr(scheduler, "schedule"):
             self.available = False
@@ -93,11 +93,12 @@ class StepTimer:
             return timed(originals["_process"])(plan, out)
 
         runner._dispatch, runner._process = dispatch, process
+        runner._finish = timed(originals["_finish"])  # a split step's masks and sample half: host time
         scheduler.schedule = timed(scheduler.schedule)
         try:
             yield self
         finally:
-            del runner._dispatch, runner._process
+            del runner._dispatch, runner._process, runner._finish
             del scheduler.schedule
 
     def to_dict(self) -> dict[str, Any]:

@@ -240,6 +240,19 @@ class RequestGrammar:
             return self._must_force()
         return self._grammar_live()
 
+    def may_constrain(self, tokens: int) -> bool:
+        """Whether the mask may not be all ones once up to ``tokens`` more tokens, still in flight, are accepted
+        (a mask filled after dispatch): the grammar is live, or those tokens could start forcing the trigger
+        (the budget, the bound id) or complete it."""
+        if self.active:
+            return self._grammar_live()
+        assert self.trigger is not None
+        if self._must_force() or self.bound is not None:
+            return True
+        if self.budget is not None and self.free_tokens + tokens >= self.budget:
+            return True
+        return len(self.trigger) - self._progress() <= tokens
+
     def fill(self, out: np.ndarray) -> bool:
         """Write the next sample's mask into ``out`` (int32 ``[W]``, C-contiguous); True when it constrains."""
         if out.dtype != np.int32 or out.shape != (self.words,) or not out.flags["C_CONTIGUOUS"]:

@@ -768,6 +768,8 @@ class LLM:
         )
         if self.replay != "off":
             self.scheduler.replay_keep = config.scheduler.yoco_keep_tokens
+        # The runner dispatches a step with deferred grammar masks in two halves (docs/structured_outputs.md).
+        self.scheduler.defer_masks = True
         self.last_stats: RunStats | None = None
         self.expert_balancer: MeshExpertBalancer | None = None
         """EPLB of a mesh with ``expert_parallel_size > 1`` (:mod:`deepinfer_jax.engine.mesh_eplb`), else None."""

@@ -45,6 +45,7 @@ __all__ = [
     "StepPlan",
     "build_plan",
     "choose_bucket",
+    "fill_deferred_masks",
     "logprob_variant",
 ]
 
@@ -365,6 +366,10 @@ class StepPlan:
         ``inputs.prompt_targets`` is ``None`` (the step computes no prompt logprobs).
       batches: each device's :class:`DeviceBatch`, ``None`` for a device that runs a placeholder.
       mask_seconds: host time spent filling the grammar masks of this plan (structured outputs).
+      deferred_masks: ``(device, row, request, drafts)`` of each constrained row whose previous token was still
+        in flight when the plan was built: its masks (``inputs.sampling.token_bitmask`` and, with drafts, the
+        verify rows' ``inputs.spec.verify_masks``) are filled by :func:`fill_deferred_masks` once that token
+        (and the drafts it left) reached the host, while the step's forward half runs on the device.
     """
 
     inputs: StepInputs
@@ -372,6 +377,7 @@ class StepPlan:
     num_prompt_logprobs: int
     batches: tuple[DeviceBatch | None, ...]
     mask_seconds: float = 0.0
+    deferred_masks: tuple[tuple[int, int, Any, int], ...] = ()
 
     @property
     def num_devices(self) -> int:
@@ -522,6 +528,7 @@ def build_plan(
     replay_from = np.full((d, s), -1, np.int32) if replay_keep > 0 else None
     params, seeds, sample_pos, output_lens, row_index, extra = [], [], [], [], [], []
     grammars: list[tuple[int, Any]] = []  # (row, the request's RequestGrammar) of sampled constrained rows
+    deferred: list[tuple[int, int, Any, int]] = []  # (device, row, request, drafts) of masks filled later
     wanted = prompt_wanted = 0
     for dev, batch in enumerate(batches):
         if batch is None:
@@ -574,7 +581,12 @@ def build_plan(
             extra.append(_bad_word_completions(req) if row.sample else ())
             grammar = getattr(req, "grammar", None)
             if row.sample and grammar is not None:
-                grammars.append((dev * s + i, grammar))
+                if row.pending_input:
+                    # Its mask depends on the token in flight: filled after dispatch, if it can constrain.
+                    if grammar.may_constrain(1 + num_draft_tokens):
+                        deferred.append((dev, i, req, row.num_drafts))
+                else:
+                    grammars.append((dev * s + i, grammar))
             wanted = max(wanted, p.logprobs or 0)
             if p.prompt_logprobs is not None:
                 inside = pos + 1 < prompt_len
@@ -588,7 +600,7 @@ def build_plan(
         query_start[dev, len(batch.rows) :] = offset
     bitmask = None
     mask_start = time.perf_counter()
-    if any(g.constrains() for _, g in grammars):
+    if deferred or any(g.constrains() for _, g in grammars):
         # Filled on the host while the previous step runs on the device; unconstrained rows stay all ones.
         bitmask = np.full((d * s, (vocab_size + 31) // 32), -1, np.int32)
         fill_masks(grammars, bitmask)
@@ -662,4 +674,43 @@ def build_plan(
         -1 if targets is None else logprob_variant(prompt_wanted),
         tuple(batches),
         time.perf_counter() - mask_start if bitmask is not None else 0.0,
+        tuple(deferred),
     )
+
+
+def fill_deferred_masks(plan: StepPlan) -> None:
+    """Fill the masks of ``plan``'s :attr:`~StepPlan.deferred_masks` rows in place, from each request's grammar
+    as it is now (its previous tokens, and the drafts its last step left in the pool, have reached the host):
+    the row's next-token mask and, for a row verifying ``n`` drafts, the ``n + 1`` verify-row masks, exactly as
+    :func:`build_plan` fills them for a request whose tokens were known. A request that finished meanwhile gets
+    all ones (its row's sample is discarded)."""
+    if not plan.deferred_masks:
+        return
+    from deepinfer_jax.engine.grammar import fill_masks
+
+    bitmask = plan.inputs.sampling.token_bitmask  # [D, S, W]
+    spec = plan.inputs.spec
+    verify = None if spec is None else spec.verify_masks  # [D, S, K + 1, W]
+    live = [(dev, i, req, nd) for dev, i, req, nd in plan.deferred_masks if not _finished(req)]
+    for dev, i, req, _ in plan.deferred_masks:
+        if _finished(req):
+            bitmask[dev, i] = -1
+            if verify is not None:
+                verify[dev, i] = -1
+    rows = np.full((len(live), bitmask.shape[-1]), -1, np.int32)
+    fill_masks([(j, req.grammar) for j, (_, _, req, _) in enumerate(live)], rows)
+    for j, (dev, i, req, nd) in enumerate(live):
+        bitmask[dev, i] = rows[j]
+        if verify is None:
+            continue
+        verify[dev, i] = rows[j]
+        if nd:
+            out = np.zeros((nd + 1, bitmask.shape[-1]), np.int32)
+            req.grammar.draft_masks(list(req.spec_drafts[:nd]), out)
+            verify[dev, i, : nd + 1] = out
+
+
+def _finished(req: Any) -> bool:
+    """The request no longer runs (finished, or its grammar is gone): its row's sample is discarded."""
+    status = getattr(getattr(req, "status", None), "name", "RUNNING")
+    return getattr(req, "grammar", None) is None or status != "RUNNING"

@@ -31,7 +31,7 @@ from deepinfer_jax.engine.mesh_eplb import MeshExpertBalancer
 from deepinfer_jax.engine.params import RequestOutput
 from deepinfer_jax.engine.plan import StepPlan
 from deepinfer_jax.engine.scheduler import Scheduler
-from deepinfer_jax.engine.step import StepExecutor, StepOutput
+from deepinfer_jax.engine.step import SplitStep, StepExecutor, StepOutput
 from deepinfer_jax.parallel.mesh import mesh_sizes
 
 __all__ = ["EngineRunner", "InFlight", "RunStats", "RunnerOptions", "SpecCounters"]
@@ -153,7 +153,8 @@ class RunStats:
 class InFlight(NamedTuple):
     """A dispatched step: its outputs and the expert placements it ran with (EPLB's snapshot, or ``None``)."""
 
-    out: StepOutput
+    out: StepOutput | SplitStep
+    """The step's outputs; a :class:`SplitStep` until the runner dispatched its sample half (``_finish``)."""
     snapshot: Any
     dispatched: float = 0.0
     """``time.perf_counter()`` when the step was dispatched."""
@@ -280,6 +281,14 @@ class EngineRunner:
         out = self.executor.run(plan)
         self.placeholder_plans += plan.num_placeholders
         return InFlight(out, None if self.balancer is None else self.balancer.snapshot(), start)
+
+    def _finish(self, plan: StepPlan, step: InFlight) -> InFlight:
+        """A step dispatched in two halves (its plan has deferred grammar masks): fill the masks now that every
+        step before it has been processed, and dispatch its sample half. Other steps are returned as they are."""
+        if not isinstance(step.out, SplitStep):
+            return step
+        self.scheduler.fill_deferred_masks(plan)
+        return step._replace(out=self.executor.finish(step.out))
 
     def _process(self, plan: StepPlan, step: InFlight) -> list[RequestOutput]:
         out = step.out
@@ -414,7 +423,8 @@ class EngineRunner:
                     stats.steps += 1
                     self._periodic(stats, start)
                 if in_flight and (plan is None or len(in_flight) > depth):
-                    take(self._process(*in_flight.popleft()))
+                    oldest, step = in_flight.popleft()
+                    take(self._process(oldest, self._finish(oldest, step)))
                 elif plan is None:
                     take(self.scheduler.take_ready_outputs())
                     if (
@@ -426,6 +436,9 @@ class EngineRunner:
                             "the scheduler has unfinished requests but can schedule nothing and has nothing in "
                             "flight"
                         )
+                if in_flight:
+                    # A step split for deferred masks: every step before it is processed now (one in flight).
+                    in_flight[0] = (in_flight[0][0], self._finish(*in_flight[0]))
         stats.seconds = time.perf_counter() - start
         stats.compile_count = self.executor.compile_count - compiles
         stats.compile_seconds = self.executor.compile_seconds - compile_s

@@ -67,7 +67,14 @@ from deepinfer_jax.engine.params import (
     derive_seed,
     validate_request,
 )
-from deepinfer_jax.engine.plan import DeviceBatch, ScheduledRow, StepPlan, build_plan, choose_bucket
+from deepinfer_jax.engine.plan import (
+    DeviceBatch,
+    ScheduledRow,
+    StepPlan,
+    build_plan,
+    choose_bucket,
+    fill_deferred_masks,
+)
 from deepinfer_jax.engine.spec_budget import cumulative_rates
 from deepinfer_jax.text.detokenize import IncrementalDetokenizer
 from deepinfer_jax.text.tokenizer import Tokenizer
@@ -367,6 +374,9 @@ class SchedulerStats:
     """Steps with a grammar-constrained row (structured outputs; counted on device 0's stats)."""
     mask_seconds: float = 0.0
     """Host time spent filling grammar masks (counted on device 0's stats)."""
+    num_deferred_masks: int = 0
+    """Constrained rows scheduled while their previous token was in flight, their masks filled after the step's
+    dispatch (counted on device 0's stats)."""
     num_spec_rows: int = 0
     """Speculative decoding: decode rows processed (with or without drafts left to verify)."""
     num_spec_emitted: int = 0
@@ -465,6 +475,10 @@ class DeviceScheduler:
         self.prefix_cache = prefix_cache
         self.grammar_compiler = grammar_compiler
         self.force_drafts = bool(force_drafts)
+        self.defer_masks = False
+        """A constrained row may be scheduled while its previous token is in flight: its grammar masks are
+        filled after the step's dispatch (:attr:`StepPlan.deferred_masks`), by a runner that dispatches such a
+        step in two halves (:meth:`StepExecutor.run`). Off: it waits for its token (any other driver)."""
         self.num_draft_tokens = _positive("num_draft_tokens", num_draft_tokens, 0)
         # Positions a speculative request may write past its known tokens: the drafts of a row in flight, the
         # drafts of the next row, and the draft layer's extra positions (docs/speculative.md, "blocks").
@@ -1161,14 +1175,24 @@ class DeviceScheduler:
         if not self.num_draft_tokens:
             return False
         if req.grammar is not None and not any(len(w) > 1 for w in req.bad_words_ids):
-            # Drafts known on the host (it waits for its tokens): one grammar mask per verify row.
-            return req.pending == 0 and (len(req.spec_drafts) > 0 or self._forced_drafts(req))
+            # One grammar mask per verify row, from the drafts known on the host: those of its last processed
+            # step, or (deferred masks) those the step in flight leaves in its pool, known before the masks are.
+            if req.pending:
+                return self.defer_masks and not self._forced_drafts(req)
+            return len(req.spec_drafts) > 0 or self._forced_drafts(req)
         if req.needs_host_tokens:
             return False
         p = req.params
         if getattr(p, "golden_token_ids", None) is not None:
             return self.force_drafts
         return len(req.output_token_ids) >= p.min_tokens
+
+    def _needs_host_tokens(self, req: Request) -> bool:
+        """Whether ``req`` is scheduled only once its previous tokens are on the host (:attr:`Request.needs_host_tokens`);
+        a grammar alone does not need it when masks may be deferred."""
+        if self.defer_masks and not any(len(w) > 1 for w in req.bad_words_ids):
+            return False
+        return req.needs_host_tokens
 
     def _forced_drafts(self, req: Request) -> bool:
         """The ``speculative.force_draft_tokens`` test hook applies: the request's golden tokens are its drafts."""
@@ -1287,7 +1311,7 @@ class DeviceScheduler:
                 # Tokens still to feed: the rest of a prefill, or the one token whose cache entry the next
                 # decode writes (pending when it was sampled by a step not yet processed).
                 speculates = self._speculates(req)
-                exact = req.needs_host_tokens or self._forced_drafts(req)
+                exact = self._needs_host_tokens(req) or self._forced_drafts(req)
                 if req.pending and (exact or (req.spec_slack and not speculates)):
                     continue  # its masks (or its exact position) need the tokens still in flight
                 start = req.num_computed
@@ -1305,7 +1329,7 @@ class DeviceScheduler:
                 new_blocks += max(0, self.blocks.blocks_for(need) - len(req.block_ids))
                 forced: tuple[int, ...] = ()
                 pool: tuple[int, ...] = ()
-                if nd and req.grammar is not None:
+                if nd and req.grammar is not None and not req.pending:
                     pool = req.spec_drafts[:nd]
                     nd = len(pool)
                 if nd and self._forced_drafts(req):
@@ -2014,6 +2038,27 @@ class Scheduler:
         for s, b in zip(self.devices, batches, strict=True):
             s.stats.num_padding_tokens += plan.padded_tokens - (0 if b is None else b.num_tokens)
         return plan
+
+    @property
+    def defer_masks(self) -> bool:
+        """:attr:`DeviceScheduler.defer_masks` of every device."""
+        return self.devices[0].defer_masks
+
+    @defer_masks.setter
+    def defer_masks(self, value: bool) -> None:
+        for s in self.devices:
+            s.defer_masks = bool(value)
+
+    def fill_deferred_masks(self, plan: StepPlan) -> None:
+        """Fill ``plan``'s deferred grammar masks (:func:`~deepinfer_jax.engine.plan.fill_deferred_masks`) now that
+        the step before it has been processed; the time counts as mask time."""
+        if not plan.deferred_masks:
+            return
+        start = time.perf_counter()
+        fill_deferred_masks(plan)
+        st = self.devices[0].stats
+        st.mask_seconds += time.perf_counter() - start
+        st.num_deferred_masks += len(plan.deferred_masks)
 
     def observe_step(self, plan: StepPlan, step_ms: float) -> None:
         """A finished step's time (the runner's measurement): the verify-length planner's forward slope."""

@@ -70,8 +70,15 @@ def spec_device_step(
     sampler: Any,
     tile: int | None,
     confidence_temperature: tuple[float, ...] = (1.0,),
-) -> tuple[Any, Any, dict[str, Any]]:
+    stage: str = "all",
+    carry: Any = None,
+) -> tuple[Any, Any, Any]:
     """One device's speculative step (module docstring): ``(cache, state, outputs)``.
+
+    ``stage="forward"`` stops after the model and the LM head and returns ``(cache, state, carry)``: the
+    verification rows' logits, the prompt logprobs and (MTP drafting) the hidden states. ``stage="sample"``
+    takes that ``carry``, recomputes steps 1-3 (cheap, and the same: ``state`` is the one the forward half
+    returned, which it did not change) and does steps 5-7 with the plan's grammar masks, filled meanwhile.
 
     ``outputs`` holds ``tokens [S, K + 1]`` (the emitted tokens of each row: accepted drafts, then the bonus),
     ``num_accepted [S]``, their ``logprob`` / ``rank`` ``[S, K + 1]`` and ``top_ids`` / ``top_logprobs``
@@ -138,21 +145,26 @@ def spec_device_step(
         inputs.snapshots,
         inputs.replay_from,
     )
-    hidden, cache = model.forward_hidden(params, cache, token_ids, meta, tile=tile)
     j = jnp.arange(k + 1, dtype=jnp.int32)
-    verify_index = jnp.clip(
-        ends[:, None] - 1 - nd[:, None] + jnp.minimum(j[None], nd[:, None]), 0, num_tokens - 1
-    )
-    prompt_out = None
-    if num_prompt_logprobs >= 0:
-        all_logits = model.head(params, hidden, tile=tile)
-        prompt_out = prompt_logprobs(
-            all_logits, inputs.prompt_targets, num_prompt_logprobs, batch_invariant=batch_invariant
-        )
-        logits = all_logits[verify_index.reshape(-1)]
+    if stage == "sample":
+        hidden, logits, prompt_out = carry
     else:
-        logits = model.head(params, hidden[verify_index.reshape(-1)], tile=tile)
-    logits = logits.reshape(num_seqs, k + 1, vocab)
+        hidden, cache = model.forward_hidden(params, cache, token_ids, meta, tile=tile)
+        verify_index = jnp.clip(
+            ends[:, None] - 1 - nd[:, None] + jnp.minimum(j[None], nd[:, None]), 0, num_tokens - 1
+        )
+        prompt_out = None
+        if num_prompt_logprobs >= 0:
+            all_logits = model.head(params, hidden, tile=tile)
+            prompt_out = prompt_logprobs(
+                all_logits, inputs.prompt_targets, num_prompt_logprobs, batch_invariant=batch_invariant
+            )
+            logits = all_logits[verify_index.reshape(-1)]
+        else:
+            logits = model.head(params, hidden[verify_index.reshape(-1)], tile=tile)
+        logits = logits.reshape(num_seqs, k + 1, vocab)
+        if stage == "forward":
+            return cache, state, (hidden if model.draft_kind != "dspark" else None, logits, prompt_out)
 
     # 5. Verification. Row j samples the token at (its position + 1); the host keyed the last row.
     st = inputs.sampling._replace(position=inputs.sampling.position + shift)

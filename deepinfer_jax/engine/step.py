@@ -66,6 +66,7 @@ __all__ = [
     "DEVICE_SPEC",
     "PromptLogprobs",
     "SamplerOptions",
+    "SplitStep",
     "StepExecutor",
     "StepOutput",
     "StepState",
@@ -241,8 +242,17 @@ def device_step(
     sampler: SamplerOptions | None = None,
     num_draft_tokens: int = 0,
     confidence_temperature: tuple[float, ...] = (1.0,),
-) -> tuple[Any, StepState, StepOutput]:
+    stage: str = "all",
+    carry: Any = None,
+) -> tuple[Any, StepState, Any]:
     """One device's part of a step (module docstring): ``(cache, state, StepOutput)``.
+
+    ``stage`` splits the step in two for plans whose grammar masks are filled after dispatch
+    (:attr:`~deepinfer_jax.engine.plan.StepPlan.deferred_masks`): ``"forward"`` applies the plan's copies and
+    runs the model, returning ``(cache, state, carry)`` (the logits, or for speculative engines what
+    verification and drafting need of the forward); ``"sample"`` takes that ``carry`` and the plan's filled
+    masks and does the rest, returning what ``"all"`` returns. The two halves compute exactly what the whole
+    step computes.
 
     ``inputs`` are this device's arrays (no device axis). With ``batch_invariant`` every per-token computation
     runs in tiles of :data:`BATCH_INVARIANT_TILE` rows and the sampler in its batch-invariant mode, so a row's
@@ -251,7 +261,9 @@ def device_step(
     many alternatives. ``sampler`` holds the engine-wide sampler settings (:class:`SamplerOptions`).
     """
     sampler = sampler or SamplerOptions()
-    if inputs.copies is not None:  # forks: copy-on-write blocks and cloned slots, before any row runs
+    if stage not in ("all", "forward", "sample"):
+        raise ValueError(f"stage: expected 'all', 'forward' or 'sample', got {stage!r}")
+    if inputs.copies is not None and stage != "sample":  # forks: copy-on-write blocks and cloned slots first
         c = inputs.copies
         cache = model.copy_cache(cache, c.block_src, c.block_dst, c.slot_src, c.slot_dst)
         state = StepState(*(None if a is None else copy_rows(a, c.slot_src, c.slot_dst) for a in state))
@@ -271,7 +283,11 @@ def device_step(
             sampler=sampler,
             tile=BATCH_INVARIANT_TILE if batch_invariant else None,
             confidence_temperature=confidence_temperature,
+            stage=stage,
+            carry=carry,
         )
+        if stage == "forward":
+            return cache, state, spec_out
         return (
             cache,
             state,
@@ -293,6 +309,12 @@ def device_step(
     num_seqs = inputs.seq_slots.shape[0]
     num_tokens = inputs.token_ids.shape[0]
     num_slots = state.last_tokens.shape[0]
+    if stage == "sample":  # the forward half ran: its logits, and the counts it recorded in the state
+        logits, prompt_out = carry
+        state, result = _sample_rows(
+            logits, prompt_out, state, inputs, num_logprobs, batch_invariant, return_logits, sampler
+        )
+        return cache, state, result
     real = inputs.token_seq < num_seqs
     row = jnp.where(real, inputs.token_seq, 0)
     slot_of_token = jnp.clip(inputs.seq_slots[row], 0, num_slots - 1)
@@ -330,6 +352,29 @@ def device_step(
         logits = all_logits[meta.last_token()]
     else:
         logits, cache = model.forward(params, cache, token_ids, meta, tile=tile)  # [S, V] float32
+    state = state._replace(token_counts=counts)
+    if stage == "forward":
+        return cache, state, (logits, prompt_out)
+    state, result = _sample_rows(
+        logits, prompt_out, state, inputs, num_logprobs, batch_invariant, return_logits, sampler
+    )
+    return cache, state, result
+
+
+def _sample_rows(
+    logits: jax.Array,
+    prompt_out: PromptLogprobs | None,
+    state: StepState,
+    inputs: StepInputs,
+    num_logprobs: int,
+    batch_invariant: bool,
+    return_logits: bool,
+    sampler: SamplerOptions,
+) -> tuple[StepState, StepOutput]:
+    """The plain step's second half: sample every row from its ``logits [S, V]`` (the counts in ``state``
+    already hold the step's input tokens) and record the sampled tokens as the slots' ``last_tokens``."""
+    num_slots = state.last_tokens.shape[0]
+    counts = state.token_counts
     row_counts = counts[jnp.clip(inputs.seq_slots, 0, num_slots - 1)]
     out = sample(
         logits,
@@ -356,7 +401,7 @@ def device_step(
         sum_smaller=out.sum_smaller if sampler.sum_smaller else None,
         top_sum_smaller=out.top_sum_smaller if sampler.sum_smaller else None,
     )
-    return cache, state._replace(last_tokens=last_tokens, token_counts=counts), result
+    return state._replace(last_tokens=last_tokens), result
 
 
 def step(
@@ -376,7 +421,9 @@ def step(
     sampler: SamplerOptions | None = None,
     num_draft_tokens: int = 0,
     confidence_temperature: tuple[float, ...] = (1.0,),
-) -> tuple[Any, StepState, StepOutput]:
+    stage: str = "all",
+    carry: Any = None,
+) -> tuple[Any, StepState, Any]:
     """One engine step on every device of ``mesh`` at once: :func:`device_step` inside one ``jax.shard_map``.
 
     Every array but ``params`` has a leading device axis of ``dp * ep`` entries, spread over the mesh
@@ -386,13 +433,16 @@ def step(
     [dp * ep, Σ P / ep]`` (device ``d`` holds slots ``(d % ep) * P / ep`` onwards; padding tokens are not
     routed, so not counted): one array, so reading a step's counts is one transfer. ``selection`` is the op
     selection every registry call of the step follows (:mod:`deepinfer_jax.ops.selection`; ``None``: each op's
-    automatic choice).
+    automatic choice). ``stage`` / ``carry``: the two halves of a step whose grammar masks are filled after
+    dispatch (:func:`device_step`); the ``"forward"`` half returns ``(cache, state, carry)``, with every device's
+    expert counts so far in the carry, and the ``"sample"`` half adds its own.
     """
     _, ep = mesh_sizes(mesh)  # a (dp, ep) mesh, or a ValueError naming its axes
     layout = expert_count_layout(params, ep) if counts else ()
 
-    def body(params: Any, cache: Any, state: Any, inputs: Any) -> tuple[Any, Any, Any]:
+    def body(params: Any, cache: Any, state: Any, inputs: Any, *rest: Any) -> tuple[Any, Any, Any]:
         one = jax.tree.map(lambda a: a[0], (cache, state, inputs))
+        held = jax.tree.map(lambda a: a[0], rest[0]) if rest else (None, None)
         valid = one[2].token_seq < one[2].seq_slots.shape[0]
         with use_selection(selection), token_scope(valid) as scope:
             cache, state, out = device_step(
@@ -406,21 +456,26 @@ def step(
                 sampler=sampler,
                 num_draft_tokens=num_draft_tokens,
                 confidence_temperature=confidence_temperature,
+                stage=stage,
+                carry=held[0],
             )
-        if counts:
-            out = out._replace(expert_counts=expert_counts(scope, layout))
+        if stage == "forward":
+            out = (out, expert_counts(scope, layout) if counts else None)
+        elif counts:
+            mine = expert_counts(scope, layout)
+            out = out._replace(expert_counts=mine if held[1] is None else mine + held[1])
         return jax.tree.map(lambda a: a[None], (cache, state, out))
 
     # check_vma is off for the reason ep_moe_experts gives: op moe_experts skips experts without rows through
     # a lax.cond whose branches differ in which mesh axes their values vary over.
-    fn = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(param_specs(params), DEVICE_SPEC, DEVICE_SPEC, DEVICE_SPEC),
-        out_specs=DEVICE_SPEC,
-        check_vma=False,
-    )
-    return fn(params, cache, state, inputs)
+    specs = (param_specs(params), DEVICE_SPEC, DEVICE_SPEC, DEVICE_SPEC)
+    args = (params, cache, state, inputs)
+    if stage == "sample":
+        if carry is None:
+            raise ValueError("step: stage 'sample' needs the carry of stage 'forward'")
+        specs, args = (*specs, DEVICE_SPEC), (*args, carry)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=DEVICE_SPEC, check_vma=False)
+    return fn(*args)
 
 
 class PackedLayout(NamedTuple):
@@ -471,10 +526,19 @@ def unpack_inputs(packed: tuple[Any, ...], layout: PackedLayout) -> StepInputs:
 
 
 def packed_step(
-    params: Any, cache: Any, state: StepState, packed: tuple[Any, ...], *, layout: PackedLayout, **static: Any
+    params: Any,
+    cache: Any,
+    state: StepState,
+    packed: tuple[Any, ...],
+    *carry: Any,
+    layout: PackedLayout,
+    **static: Any,
 ):
-    """:func:`step` over inputs packed by :func:`pack_inputs` (what :class:`StepExecutor` compiles)."""
-    return step(params, cache, state, unpack_inputs(packed, layout), **static)
+    """:func:`step` over inputs packed by :func:`pack_inputs` (what :class:`StepExecutor` compiles); the
+    ``"sample"`` half of a split step also takes the ``"forward"`` half's carry."""
+    return step(
+        params, cache, state, unpack_inputs(packed, layout), carry=carry[0] if carry else None, **static
+    )
 
 
 def _static_key(options: dict[str, Any]) -> str:
@@ -486,6 +550,15 @@ def _static_key(options: dict[str, Any]) -> str:
             value = (value.platform, value.backend, dict(value.overrides), value.strict, value.interpret)
         parts.append(f"{name}={value!r}")
     return "\n".join(parts)
+
+
+class SplitStep:
+    """A step dispatched in two halves (:meth:`StepExecutor.run` of a plan with deferred masks): the plan, and the
+    device values its forward half left for the sample half (``None`` once :meth:`StepExecutor.finish` ran)."""
+
+    def __init__(self, plan: StepPlan, carry: Any) -> None:
+        self.plan = plan
+        self.carry = carry
 
 
 class StepExecutor:
@@ -574,6 +647,7 @@ class StepExecutor:
         self.compile_seconds = 0.0
         self.compile_cache_hits = 0
         self.on_compile: Callable[[int | None, int | None], None] | None = None
+        self._split: SplitStep | None = None
         self.cache = self._stacked(lambda: model.init_cache(num_blocks, num_slots))
         self.state = self._stacked(lambda: init_state(num_slots, self.vocab_size, self.num_draft_tokens))
         # Prefix caching's host tier: every device's blocks / slots gathered or written at once (vmap over D).
@@ -599,8 +673,10 @@ class StepExecutor:
         with jax.transfer_guard("allow"):
             return jax.tree.map(lambda a: place_on_mesh(a, self._sharding), inputs)
 
-    def _executable(self, plan: StepPlan, inputs: Any, layout: PackedLayout) -> Any:
-        key = (plan.variant, layout)
+    def _executable(
+        self, plan: StepPlan, inputs: Any, layout: PackedLayout, stage: str = "all", carry: Any = None
+    ) -> Any:
+        key = (plan.variant, layout, stage)
         with self._lock:
             fn = self._compiled.get(key)
             if fn is None:
@@ -620,11 +696,14 @@ class StepExecutor:
                         inputs,
                     ),
                 )
+                if carry is not None:
+                    structs = (*structs, jax.tree.map(compile_cache.struct_of, carry))
                 options = {
                     **self._static,
                     "layout": layout,
                     "num_logprobs": plan.num_logprobs,
                     "num_prompt_logprobs": plan.num_prompt_logprobs,
+                    "stage": stage,
                 }
                 fn = compile_cache.compile_traced(
                     functools.partial(packed_step, **options),
@@ -639,10 +718,11 @@ class StepExecutor:
                 hit = min(1, (compile_cache.counters() - before).hits)
                 self.compile_cache_hits += hit
                 logging.info(
-                    "compiled step %d×%d %s in %.2f s%s",
+                    "compiled step %d×%d %s%s in %.2f s%s",
                     tokens,
                     seqs,
                     plan.variant[2:],
+                    "" if stage == "all" else f" ({stage} half)",
                     seconds,
                     " (persistent cache hit)" if hit else "",
                 )
@@ -701,17 +781,39 @@ class StepExecutor:
                         jax.tree.map(put, host[part], entry.numpy())
             self.cache = self._writer(self.cache, block_ids, slot_ids, self._place(host))
 
-    def run(self, plan: StepPlan) -> StepOutput:
-        """Dispatch one step for ``plan``; returns its stacked outputs (``[D, S, ...]``) without waiting."""
+    def run(self, plan: StepPlan) -> StepOutput | SplitStep:
+        """Dispatch one step for ``plan``; returns its stacked outputs (``[D, S, ...]``) without waiting.
+
+        A plan with :attr:`~deepinfer_jax.engine.plan.StepPlan.deferred_masks` dispatches only the step's
+        forward half and returns a :class:`SplitStep`: fill the masks, then :meth:`finish` it (before any other
+        step is dispatched) for the outputs."""
         self._host_transfers(plan)
-        inputs = plan.inputs
         if plan.num_devices != self.num_devices:
             raise ValueError(f"plan: {plan.num_devices} devices, but the mesh has {self.num_devices}")
         if plan.max_blocks_per_seq != self.max_blocks_per_seq:
             raise ValueError(
                 f"plan: block tables of width {plan.max_blocks_per_seq}, the executor's is {self.max_blocks_per_seq}"
             )
-        packed, layout = pack_inputs(inputs)
+        if plan.deferred_masks:
+            self.cache, self.state, carry = self._call(plan, "forward")
+            self._split = SplitStep(plan, carry)
+            return self._split
+        self.cache, self.state, out = self._call(plan, "all")
+        return out
+
+    def finish(self, split: SplitStep) -> StepOutput:
+        """Dispatch the sample half of a step :meth:`run` split, with its plan's masks as they are now; returns
+        the step's outputs without waiting."""
+        if split is not self._split or split.carry is None:
+            raise ValueError("StepExecutor.finish: not the split step in flight (or finished already)")
+        carry, split.carry, self._split = split.carry, None, None
+        self.cache, self.state, out = self._call(split.plan, "sample", carry)
+        return out
+
+    def _call(self, plan: StepPlan, stage: str, carry: Any = None) -> tuple[Any, Any, Any]:
+        if self._split is not None:
+            raise RuntimeError("StepExecutor: a split step's sample half must be dispatched first (finish)")
+        packed, layout = pack_inputs(plan.inputs)
         if self._sharding.is_fully_addressable:
             # The compiled call copies the numpy buffers to their input sharding in its own (C++) dispatch: about
             # 1 ms per step cheaper on XLA:CPU than a jax.device_put before it. This copy is the step's input,
@@ -719,15 +821,18 @@ class StepExecutor:
             args, guard = packed, jax.transfer_guard_host_to_device("allow")
         else:
             args, guard = self._place(packed), contextlib.nullcontext()
-        fn = self._executable(plan, args, layout)
+        fn = self._executable(plan, args, layout, stage, carry)
         with guard:
-            self.cache, self.state, out = fn(self.params, self.cache, self.state, args)
-        return out
+            if carry is None:
+                return fn(self.params, self.cache, self.state, args)
+            return fn(self.params, self.cache, self.state, args, carry)
 
     def recover(self) -> bool:
         """After a failed run: make the cache and the per-slot state usable again. They are kept when they are
         intact (the failure happened on the host); when a failed step consumed them (donated buffers deleted, or
-        arrays carrying the device error) both are created afresh. Returns True when they were re-created."""
+        arrays carrying the device error) both are created afresh. Returns True when they were re-created. A step
+        split in two whose sample half was not dispatched is dropped (its requests end with the failure)."""
+        self._split = None
         try:
             leaves = jax.tree.leaves((self.cache, self.state))
             if any(leaf.is_deleted() for leaf in leaves):
@@ -745,6 +850,7 @@ class StepExecutor:
             if not leaf.is_deleted():
                 leaf.delete()
         self.cache = self.state = None
+        self._split = None
         self._compiled.clear()
 
     def reset_state(self) -> None:

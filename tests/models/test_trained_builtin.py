@@ -177,3 +177,41 @@ def test_eval_subcommand(engines, tmp_path, capsys, monkeypatch):
     )
     assert "--text" in capsys.readouterr().err
     assert cli.subcommands()["eval"].module == "deepinfer_jax.cli.eval"
+
+
+def test_json_answers_of_a_trained_model_read_as_text(engines):
+    """Structured outputs on a trained model: compact JSON (no free whitespace) that parses, validates, and whose
+    strings are words -- the model's own text in the grammar's frame. (With free whitespace allowed this model,
+    trained on verse, fills the object with spaces and newlines until max_tokens: docs/structured_outputs.md.)"""
+    import re
+
+    import jsonschema
+
+    from deepinfer_jax import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "speaker": {"type": "string", "maxLength": 20},
+            "line": {"type": "string", "maxLength": 60},
+        },
+        "required": ["speaker", "line"],
+        "additionalProperties": False,
+    }
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    llm = engines["shakespeare-v3"]
+    prompts = ["HAMLET.\nTo be, or not to be, that is the question:\n", "KING LEAR.\n", "O"]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=so),
+        SamplingParams(temperature=0.8, seed=1, max_tokens=60, structured_outputs=so),
+    ]
+    for p in params:
+        for out in llm.generate(prompts, p, use_tqdm=False):
+            c = out.outputs[0]
+            assert c.finish_reason == "stop", (c.text, c.finish_reason)
+            value = json.loads(c.text)
+            jsonschema.validate(value, schema)
+            text = " ".join(value.values())
+            letters = sum(ch.isalpha() or ch == " " for ch in text)
+            assert letters >= 0.75 * len(text), text  # text, not punctuation or byte noise
+            assert len(re.findall(r"\b[A-Za-z']{2,}\b", text)) >= 4, text  # words
