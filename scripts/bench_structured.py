@@ -37,7 +37,10 @@ def main() -> int:
     ap.add_argument("--output_len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument(
-        "--num_draft_tokens", type=int, default=None, help="speculative drafts (default: the model's natural length)"
+        "--num_draft_tokens",
+        type=int,
+        default=None,
+        help="speculative drafts (default: the model's natural length)",
     )
     args = ap.parse_args()
 
