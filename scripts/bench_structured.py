@@ -42,6 +42,11 @@ def main() -> int:
         default=None,
         help="speculative drafts (default: the model's natural length)",
     )
+    ap.add_argument(
+        "--wait_for_tokens",
+        action="store_true",
+        help="constrained rows wait for their previous token instead of deferring their masks (the comparison)",
+    )
     args = ap.parse_args()
 
     import numpy as np
@@ -56,12 +61,13 @@ def main() -> int:
         kv_cache_memory=64 << 20,
         num_draft_tokens=args.num_draft_tokens,
     )
+    llm.scheduler.defer_masks = not args.wait_for_tokens
     so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     base = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     sides = {"free": base, "json": base.replace(structured_outputs=so)}
     rng = np.random.default_rng(0)
     print(
-        f"model {args.model}, drafts {llm.num_draft_tokens}, prompt {args.prompt_len}, output {args.output_len}, "
+        f"model {args.model}, drafts {llm.num_draft_tokens}, deferred masks {not args.wait_for_tokens}, prompt {args.prompt_len}, output {args.output_len}, "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
     )
     for n in (int(x) for x in args.seqs.split(",")):
