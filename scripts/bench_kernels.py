@@ -14,7 +14,8 @@ sinks), ``v4_indexer_topk`` (MXFP4 key pages, streaming top-k), ``v4_compress_st
 (V3 shape, bf16 and FP8 latent caches) and ``mhc_sinkhorn``, each against its reference op jitted by XLA, in a
 decode case (64 sequences at 128K context, V3 at 32K) and a prefill-chunk case (4096 tokens of one sequence); and,
 in the decode case, the fused sampler ``sample_tokens`` (64 rows over V3's 129280-id vocabulary) against op
-``sample``'s reference tokens. For
+``sample``'s reference tokens, and its speculative modes ``verify_tokens`` / ``draft_tokens`` against ops
+``verify`` / ``draft_sample`` on the same rows. For
 the decode attention and indexer kernels the line also gives the bytes the kernel must read and write and the
 achieved bandwidth, as a fraction of ``--peak_gbps`` (default: the device's HBM peak from a small table, else 0
 = not reported).
@@ -388,7 +389,64 @@ def _bench_sampler(rows: int, vocab: int, key: jax.Array, *, interpret: bool, re
         _time(ref, args, reps),
         " (err = token mismatches)",
     )
-    return err <= tol
+    if err > tol:
+        return False
+    return _bench_speculative(logits, st, counts, interpret=interpret, reps=reps, tol=tol)
+
+
+def _bench_speculative(
+    logits: jax.Array, st: Any, counts: jax.Array, *, interpret: bool, reps: int, tol: float
+) -> bool:
+    """``verify_tokens`` / ``draft_tokens`` (the sampler kernel's speculative modes) against ops ``verify`` /
+    ``draft_sample``'s references on the same rows: each row checks a draft drawn from its own logits plus
+    noise; every fifth row is a fresh row. err = the fraction of rows whose token or acceptance differs."""
+    from deepinfer_jax.sampling import speculative as sp
+    from pallas_kernels.sampler import draft_tokens, verify_tokens
+
+    rows = logits.shape[0]
+    noisy = logits + jax.random.normal(jax.random.PRNGKey(7), logits.shape, jnp.float32)
+    draft_lp = jax.nn.log_softmax(noisy)
+    drafts = jax.random.categorical(jax.random.PRNGKey(8), noisy).astype(jnp.int32)
+    fresh = jnp.arange(rows) % 5 == 4
+    args = (logits, counts, drafts, draft_lp, fresh)
+
+    def kern(x, c, d, lp, f):
+        token, accept, _, _ = verify_tokens(x, st, c, d, lp, f, interpret=interpret)
+        return token, accept
+
+    def ref(x, c, d, lp, f):
+        out = sp._verify_reference(
+            x,
+            st,
+            c,
+            d,
+            lp,
+            f,
+            num_logprobs=0,
+            logprobs_mode="raw_logprobs",
+            force_top_k=0,
+            batch_invariant=False,
+        )
+        return out.token, out.accept
+
+    kern, ref = jax.jit(kern), jax.jit(ref)
+    (kt, ka), (rt, ra) = kern(*args), ref(*args)
+    err = float(jnp.mean(((kt != rt) | (ka != ra)).astype(jnp.float32)))
+    _report(
+        "verify_tokens", "decode", err, _time(kern, args, reps), _time(ref, args, reps), " (err = mismatches)"
+    )
+    dkern = jax.jit(lambda x: draft_tokens(x, st, interpret=interpret)[0])
+    dref = jax.jit(lambda x: sp._draft_reference(x, st, force_top_k=0, batch_invariant=False)[0])
+    derr = float(jnp.mean((dkern(logits) != dref(logits)).astype(jnp.float32)))
+    _report(
+        "draft_tokens",
+        "decode",
+        derr,
+        _time(dkern, (logits,), reps),
+        _time(dref, (logits,), reps),
+        " (err = token mismatches)",
+    )
+    return err <= tol and derr <= tol
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -116,6 +116,14 @@ def _cases() -> dict[str, tuple[Callable[..., Any], tuple[Any, ...]]]:
             lambda x, st, c: sampler.sample_tokens(x, st, c, force_top_k=8),
             (S((4, 1000), F32), fields, S((4, 1000), I32)),
         ),
+        "verify_tokens": (
+            lambda x, st, c, d, lp, f: sampler.verify_tokens(x, st, c, d, lp, f, force_top_k=8),
+            (S((4, 1000), F32), fields, S((4, 1000), I32), S((4,), I32), S((4, 1000), F32), S((4,), I32)),
+        ),
+        "draft_tokens": (
+            lambda x, st: sampler.draft_tokens(x, st, force_top_k=8),
+            (S((4, 1000), F32), fields),
+        ),
         "fp8_block_linear": (
             lambda x, w, s: fp8_block_linear.fp8_block_linear(x, w, s, activation_cast="mxfp8"),
             (S((8, 256), BF16), S((128, 256), U8), S((4, 8), U8)),

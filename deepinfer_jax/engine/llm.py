@@ -59,6 +59,7 @@ from deepinfer_jax.ops.selection import resolve_selection
 from deepinfer_jax.parallel import distributed, mesh_from_config, shard_model_params, slot_expert_layers
 from deepinfer_jax.parallel.mesh import mesh_sizes
 from deepinfer_jax.parallel.model_parallel import place_on_mesh
+from deepinfer_jax.sampling import speculative as _speculative  # noqa: F401  (registers draft_sample, verify)
 from deepinfer_jax.sampling.pipeline import LOGPROBS_MODES
 from deepinfer_jax.text.output_parser import ChatOutput
 from deepinfer_jax.text.tokenizer import Tokenizer

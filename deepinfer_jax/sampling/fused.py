@@ -30,7 +30,14 @@ from deepinfer_jax.sampling import pipeline
 from deepinfer_jax.sampling.pipeline import SampleOutput
 from deepinfer_jax.sampling.tensors import SamplingTensors
 
-__all__ = ["sample_ascend", "sample_pallas"]
+__all__ = [
+    "draft_sample_ascend",
+    "draft_sample_pallas",
+    "sample_ascend",
+    "sample_pallas",
+    "verify_ascend",
+    "verify_pallas",
+]
 
 
 def _report(
@@ -79,19 +86,91 @@ def sample_pallas(
     from pallas_kernels.sampler import sample_tokens
 
     tokens, ok = sample_tokens(logits, st, token_counts, force_top_k=force_top_k, interpret=interpret)
-    report = functools.partial(
-        _report,
+    return _reports(
+        logits,
+        st,
+        token_counts,
+        tokens,
+        ok,
+        batch_invariant=batch_invariant,
         num_logprobs=num_logprobs,
         logprobs_mode=logprobs_mode,
         force_top_k=force_top_k,
         sum_smaller=sum_smaller,
     )
+
+
+def _reports(
+    logits: jax.Array,
+    st: SamplingTensors,
+    token_counts: jax.Array | None,
+    tokens: jax.Array,
+    ok: jax.Array,
+    *,
+    batch_invariant: bool,
+    **options: Any,
+) -> SampleOutput:
+    """:func:`_report` of every row: a row map under ``batch_invariant``, else ``vmap``."""
+    report = functools.partial(_report, **options)
     if batch_invariant:
         if token_counts is None:
             return lax.map(lambda xs: report(xs[0], xs[1], None, xs[2], xs[3]), (logits, st, tokens, ok))
         return lax.map(lambda xs: report(*xs), (logits, st, token_counts, tokens, ok))
     counts_axis = None if token_counts is None else 0
     return jax.vmap(report, in_axes=(0, 0, counts_axis, 0, 0))(logits, st, token_counts, tokens, ok)
+
+
+def draft_sample_pallas(
+    logits: jax.Array,
+    st: SamplingTensors,
+    *,
+    force_top_k: int,
+    batch_invariant: bool,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Op ``"draft_sample"`` from the fused kernel's draft mode: the token and the distribution it was drawn
+    from both come from the kernel (each row alone, so ``batch_invariant`` holds by construction)."""
+    from pallas_kernels.sampler import draft_tokens
+
+    del batch_invariant
+    return draft_tokens(logits, st, force_top_k=force_top_k, interpret=interpret)
+
+
+def verify_pallas(
+    logits: jax.Array,
+    st: SamplingTensors,
+    counts: jax.Array | None,
+    drafts: jax.Array,
+    draft_logprobs: jax.Array,
+    is_fresh: jax.Array,
+    *,
+    num_logprobs: int,
+    logprobs_mode: str,
+    force_top_k: int,
+    batch_invariant: bool,
+    interpret: bool = False,
+) -> Any:
+    """Op ``"verify"`` from the fused kernel's verify mode: each row's token, acceptance and acceptance
+    probability from the kernel, the reported values of the token in ``jnp`` around it (as for ``sample``)."""
+    from deepinfer_jax.sampling.speculative import _RowResult
+    from pallas_kernels.sampler import verify_tokens
+
+    token, accept, accept_prob, ok = verify_tokens(
+        logits, st, counts, drafts, draft_logprobs, is_fresh, force_top_k=force_top_k, interpret=interpret
+    )
+    rep = _reports(
+        logits,
+        st,
+        counts,
+        jnp.maximum(token, 0),
+        ok,
+        batch_invariant=batch_invariant,
+        num_logprobs=num_logprobs,
+        logprobs_mode=logprobs_mode,
+        force_top_k=force_top_k,
+        sum_smaller=False,
+    )
+    return _RowResult(token, accept, accept_prob, ok, rep.logprob, rep.rank, rep.top_ids, rep.top_logprobs)
 
 
 def _sample_fields(
@@ -175,3 +254,150 @@ def sample_ascend(
         sum_smaller=sum_smaller,
     )
     return SampleOutput(*out)
+
+
+def _draft_fields(
+    logits: Any,
+    temperature: Any,
+    top_p: Any,
+    top_k: Any,
+    min_p: Any,
+    repetition_penalty: Any,
+    presence_penalty: Any,
+    frequency_penalty: Any,
+    seed: Any,
+    position: Any,
+    masked_ids: Any,
+    golden: Any,
+    bias_ids: Any,
+    bias_values: Any,
+    allowed_ids: Any,
+    token_bitmask: Any,
+    *,
+    force_top_k: int,
+    batch_invariant: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """The reference of op ``"draft_sample"`` with the :class:`SamplingTensors` fields as separate arrays."""
+    from deepinfer_jax.sampling.speculative import _draft_reference
+
+    st = SamplingTensors(
+        temperature,
+        top_p,
+        top_k,
+        min_p,
+        repetition_penalty,
+        presence_penalty,
+        frequency_penalty,
+        seed,
+        position,
+        masked_ids,
+        golden,
+        bias_ids,
+        bias_values,
+        allowed_ids,
+        token_bitmask,
+    )
+    return _draft_reference(logits, st, force_top_k=force_top_k, batch_invariant=batch_invariant)
+
+
+def _verify_fields(
+    logits: Any,
+    temperature: Any,
+    top_p: Any,
+    top_k: Any,
+    min_p: Any,
+    repetition_penalty: Any,
+    presence_penalty: Any,
+    frequency_penalty: Any,
+    seed: Any,
+    position: Any,
+    masked_ids: Any,
+    golden: Any,
+    bias_ids: Any,
+    bias_values: Any,
+    allowed_ids: Any,
+    token_bitmask: Any,
+    counts: Any,
+    drafts: Any,
+    draft_logprobs: Any,
+    is_fresh: Any,
+    *,
+    num_logprobs: int,
+    logprobs_mode: str,
+    force_top_k: int,
+    batch_invariant: bool,
+) -> Any:
+    """The reference of op ``"verify"`` with the :class:`SamplingTensors` fields as separate arrays."""
+    from deepinfer_jax.sampling.speculative import _verify_reference
+
+    st = SamplingTensors(
+        temperature,
+        top_p,
+        top_k,
+        min_p,
+        repetition_penalty,
+        presence_penalty,
+        frequency_penalty,
+        seed,
+        position,
+        masked_ids,
+        golden,
+        bias_ids,
+        bias_values,
+        allowed_ids,
+        token_bitmask,
+    )
+    return _verify_reference(
+        logits,
+        st,
+        counts,
+        drafts,
+        draft_logprobs,
+        is_fresh,
+        num_logprobs=num_logprobs,
+        logprobs_mode=logprobs_mode,
+        force_top_k=force_top_k,
+        batch_invariant=batch_invariant,
+    )
+
+
+_draft_named = ascend_impl("draft_sample", _draft_fields)
+_verify_named = ascend_impl("verify", _verify_fields)
+
+
+def draft_sample_ascend(
+    logits: jax.Array, st: SamplingTensors, *, force_top_k: int, batch_invariant: bool
+) -> tuple[jax.Array, jax.Array]:
+    """Op ``"draft_sample"`` as the named custom call ``deepinfer.ascend.draft_sample``."""
+    return tuple(_draft_named(logits, *st, force_top_k=force_top_k, batch_invariant=batch_invariant))
+
+
+def verify_ascend(
+    logits: jax.Array,
+    st: SamplingTensors,
+    counts: jax.Array | None,
+    drafts: jax.Array,
+    draft_logprobs: jax.Array,
+    is_fresh: jax.Array,
+    *,
+    num_logprobs: int,
+    logprobs_mode: str,
+    force_top_k: int,
+    batch_invariant: bool,
+) -> Any:
+    """Op ``"verify"`` as the named custom call ``deepinfer.ascend.verify`` (the rows' reference elsewhere)."""
+    from deepinfer_jax.sampling.speculative import _RowResult
+
+    out = _verify_named(
+        logits,
+        *st,
+        counts,
+        drafts,
+        draft_logprobs,
+        is_fresh,
+        num_logprobs=num_logprobs,
+        logprobs_mode=logprobs_mode,
+        force_top_k=force_top_k,
+        batch_invariant=batch_invariant,
+    )
+    return _RowResult(*out)

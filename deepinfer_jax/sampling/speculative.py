@@ -61,6 +61,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from deepinfer_jax.ops.registry import register_impl, register_op, select
 from deepinfer_jax.sampling.pipeline import (
     LOGPROBS_MODES,
     _check_num_logprobs,
@@ -229,7 +230,7 @@ def _verify_row(
     return _RowResult(
         token,
         accept,
-        jnp.where(ok, accept_prob, 0.0),
+        jnp.where(ok & ~is_fresh, accept_prob, 0.0),
         ok,
         reported[safe],
         _rank_of(reported, safe),
@@ -273,6 +274,75 @@ def _check_array(fn: str, name: str, a: Any, shape: tuple[int, ...], dtype: Any)
         raise TypeError(f"{fn}: {name} must be {jnp.dtype(dtype)} {shape}, got {a.dtype} {tuple(a.shape)}")
 
 
+def _draft_reference(
+    logits: jax.Array, st: SamplingTensors, *, force_top_k: int, batch_invariant: bool
+) -> tuple[jax.Array, jax.Array]:
+    """The jnp reference of op ``"draft_sample"`` (arguments checked by :func:`draft_sample`)."""
+    row_fn = functools.partial(_draft_row, force_top_k=force_top_k)
+    return _map_rows(row_fn, (logits, st), st, logits.shape[-1], batch_invariant)
+
+
+def _verify_reference(
+    logits: jax.Array,
+    st: SamplingTensors,
+    counts: jax.Array | None,
+    drafts: jax.Array,
+    draft_logprobs: jax.Array,
+    is_fresh: jax.Array,
+    *,
+    num_logprobs: int,
+    logprobs_mode: str,
+    force_top_k: int,
+    batch_invariant: bool,
+) -> _RowResult:
+    """The jnp reference of op ``"verify"``: every verification row on its own, ``N`` rows flattened from
+    ``[S, R]`` (``logits [N, V]``, ``st`` with ``N`` rows, ``counts [N, V]`` or ``None``, ``drafts [N]`` with -1
+    for none, ``draft_logprobs [N, V]``, ``is_fresh [N]``); :func:`verify` applies the prefix rule to the
+    result."""
+    vocab = logits.shape[-1]
+    row_fn = functools.partial(
+        _verify_row, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode, force_top_k=force_top_k
+    )
+    if counts is None:
+        row_fn = functools.partial(row_fn, counts=None)
+
+        def one(lg, r, d, lp, f, *, top_k_top_p):
+            return row_fn(lg, r, draft=d, draft_logprobs=lp, is_fresh=f, top_k_top_p=top_k_top_p)
+
+        args = (logits, st)
+    else:
+
+        def one(lg, r, c, d, lp, f, *, top_k_top_p):
+            return row_fn(lg, r, c, d, lp, f, top_k_top_p=top_k_top_p)
+
+        args = (logits, st, counts)
+    return _map_rows(one, (*args, drafts, draft_logprobs, is_fresh), st, vocab, batch_invariant)
+
+
+register_op(
+    "draft_sample",
+    _draft_reference,
+    doc="Speculative drafting: one token per row from its processed distribution, and that distribution",
+)
+register_op(
+    "verify",
+    _verify_reference,
+    doc="Speculative verification rows: acceptance test, residual / fresh draw, reported values",
+)
+# The tokens, acceptances and draft distributions from the fused Pallas sampler's draft / verify modes, the
+# reported values in jnp around them; the references as named Ascend calls (deepinfer_jax/sampling/fused.py).
+for _op in ("draft_sample", "verify"):
+    register_impl(
+        _op,
+        "pallas_gpu",
+        f"deepinfer_jax.sampling.fused:{_op}_pallas",
+        platforms=("gpu",),
+        reason="the fused Pallas Triton sampler needs the pallas_kernels package",
+    )
+    register_impl(_op, "ascend", f"deepinfer_jax.sampling.fused:{_op}_ascend", platforms=("ascend",))
+del _op
+
+
 def draft_sample(
     logits: jax.Array, st: SamplingTensors, *, force_top_k: int = 0, batch_invariant: bool = False
 ) -> tuple[jax.Array, jax.Array]:
@@ -300,8 +370,7 @@ def draft_sample(
     if tuple(st.temperature.shape) != (rows,):
         raise ValueError(f"draft_sample: st has rows {tuple(st.temperature.shape)}, logits has ({rows},)")
     k = _check_options("draft_sample", force_top_k, batch_invariant)
-    row_fn = functools.partial(_draft_row, force_top_k=k)
-    return _map_rows(row_fn, (logits, st), st, vocab, batch_invariant)
+    return select("draft_sample")(logits, st, force_top_k=k, batch_invariant=batch_invariant)
 
 
 def verify(
@@ -372,22 +441,18 @@ def verify(
 
     flat = seqs * rows
     flat_st = SamplingTensors(*(jnp.asarray(a).reshape(flat, *a.shape[2:]) for a in st))
-    row_fn = functools.partial(_verify_row, num_logprobs=n, logprobs_mode=logprobs_mode, force_top_k=k)
-    if counts is None:
-        row_fn = functools.partial(row_fn, counts=None)
-
-        def one(lg, r, d, lp, f, *, top_k_top_p):
-            return row_fn(lg, r, draft=d, draft_logprobs=lp, is_fresh=f, top_k_top_p=top_k_top_p)
-
-        args = (logits.reshape(flat, vocab), flat_st)
-    else:
-
-        def one(lg, r, c, d, lp, f, *, top_k_top_p):
-            return row_fn(lg, r, c, d, lp, f, top_k_top_p=top_k_top_p)
-
-        args = (logits.reshape(flat, vocab), flat_st, counts.reshape(flat, vocab))
-    args = (*args, padded.reshape(flat), padded_lp.reshape(flat, vocab), is_fresh.reshape(flat))
-    out = _map_rows(one, args, flat_st, vocab, batch_invariant)
+    out = select("verify")(
+        logits.reshape(flat, vocab),
+        flat_st,
+        None if counts is None else counts.reshape(flat, vocab),
+        padded.reshape(flat),
+        padded_lp.reshape(flat, vocab),
+        is_fresh.reshape(flat),
+        num_logprobs=n,
+        logprobs_mode=logprobs_mode,
+        force_top_k=k,
+        batch_invariant=batch_invariant,
+    )
     out = jax.tree.map(lambda a: a.reshape(seqs, rows, *a.shape[1:]), out)
 
     # The prefix rule. Row num_drafts never accepts (its draft is -1), so a first non-accepting row exists.

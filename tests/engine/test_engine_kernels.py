@@ -5,8 +5,10 @@
   of the model (as in tests/engine/test_engine_families.py: the argmax of one causal full forward over the
   generated sequence at every generated position), and its logprobs the full forward's log-softmax. A spy on
   ``pl.pallas_call`` records which kernels the step traced, so a call site that still ran a reference fails (the
-  fused sampler ``sample_tokens`` included). With op ``sample`` alone on its interpreted kernel, seeded sampled
-  requests get exactly the reference engine's tokens and logprobs.
+  fused sampler ``sample_tokens`` included). tiny-v3 and tiny-v41 speculate (MTP and DSpark drafts at their
+  natural lengths), so their drafting and verification run on the sampler kernel's ``draft_tokens`` and
+  ``verify_tokens`` modes. With ops ``sample``, ``verify`` and ``draft_sample`` alone on their interpreted
+  kernels, seeded sampled requests with drafts get exactly the reference engine's tokens and logprobs.
 * **Exported.** The engine's step (:func:`deepinfer_jax.engine.step.step` over a plan from
   :func:`deepinfer_jax.engine.plan.build_plan`, lowered, never run) in production precision -- bfloat16 weights,
   the record caches (MXFP8 window, FP4 compressed and MXFP4 indexer keys for V4/V4.1, the FP8 latent for V3) --
@@ -60,6 +62,10 @@ NEW_TOKENS = 4
 ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 16, "kv_cache_memory": "8MiB", "cache.block_size": 16}
 
 every_family = pytest.mark.parametrize("name", FAMILIES)
+#: Drafts of the interpreted engines: V3's MTP layer and V4.1's DSpark block at their natural lengths, so the
+#: speculative step's drafting and verification run on the fused sampler's kernels too (tiny-v4 has no drafter).
+DRAFTS = {"tiny-v3": 1, "tiny-v4": 0, "tiny-v41": 4}
+SPEC_KERNELS = {"verify_tokens", "draft_tokens"}
 
 #: The attention-side kernels each family's step must trace with ``ops.backend = pallas_gpu`` (kernel names;
 #: ``kv_store_records`` of plain float keys is a scatter, not a kernel, so the float caches here trace none).
@@ -91,7 +97,13 @@ def _interpreted(name: str):
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(pl, "pallas_call", spy)
-        llm = LLM(name, dtype="float32", **ENGINE, **{"ops.backend": "pallas_gpu", "ops.interpret": True})
+        llm = LLM(
+            name,
+            dtype="float32",
+            num_draft_tokens=DRAFTS[name],
+            **ENGINE,
+            **{"ops.backend": "pallas_gpu", "ops.interpret": True},
+        )
         outs = llm.generate(prompt_token_ids=_prompts(), sampling_params=greedy, use_tqdm=False)
     return llm, outs, traced
 
@@ -106,9 +118,15 @@ def test_interpreted_kernels_give_the_reference_greedy_tokens(name):
         "v4_indexer_topk",
         "v4_compress_store",
         "sample",
+        "verify",
+        "draft_sample",
     ):
         assert chosen[op] == "pallas_gpu", op
-    assert ATTENTION_KERNELS[name] | {"sample_tokens"} <= set(traced), traced
+    # a speculating engine samples every row in its verification (the fresh row), so it traces no sample_tokens
+    want = ATTENTION_KERNELS[name] | (SPEC_KERNELS if DRAFTS[name] else {"sample_tokens"})
+    assert want <= set(traced), traced
+    if DRAFTS[name]:
+        assert sum(llm.last_stats.verified_at) > 0  # drafts were verified
     model = deepinfer_jax.load_model(name, "float32")
     sequences = [p + o.outputs[0].token_ids for p, o in zip(_prompts(), outs, strict=True)]
     ids = np.zeros((len(sequences), REF_LEN), np.int32)
@@ -126,20 +144,23 @@ def test_interpreted_kernels_give_the_reference_greedy_tokens(name):
 
 
 def test_interpreted_sampler_kernel_draws_the_reference_engines_tokens():
-    """Op ``sample`` alone on the interpreted fused kernel (``ops.overrides``): seeded sampled requests (top-k,
-    top-p, min_p, penalties) and a greedy one get exactly the tokens and logprobs of the reference engine, whose
-    logits are bitwise the same (every other op runs its reference in both)."""
+    """Ops ``sample``, ``verify`` and ``draft_sample`` alone on the interpreted fused kernel (``ops.overrides``),
+    speculating with two MTP drafts: seeded sampled requests (top-k, top-p, min_p, penalties) and a greedy one get
+    exactly the tokens, logprobs and per-position acceptance counts of the reference engine, whose logits are
+    bitwise the same (every other op runs its reference in both)."""
     params = [
         SamplingParams(temperature=0.8, top_p=0.5, repetition_penalty=1.3, presence_penalty=0.4, seed=11),
         SamplingParams(temperature=1.2, top_k=5, min_p=0.3, frequency_penalty=0.5, seed=12),
         SamplingParams(temperature=0.0),
     ]
     params = [p.replace(max_tokens=2 * NEW_TOKENS, ignore_eos=True, logprobs=1) for p in params]
-    overrides = {"ops.overrides": {"sample": "pallas_gpu"}, "ops.interpret": True}
-    kernel = LLM("tiny-v3", dtype="float32", **ENGINE, **overrides)
-    assert kernel.op_selection.backends()["sample"] == "pallas_gpu"
-    reference = LLM("tiny-v3", dtype="float32", **ENGINE)
-    assert reference.op_selection.backends()["sample"] == "reference"
+    sampler_ops = ("sample", "verify", "draft_sample")
+    overrides = {"ops.overrides": dict.fromkeys(sampler_ops, "pallas_gpu"), "ops.interpret": True}
+    kernel = LLM("tiny-v3", dtype="float32", num_draft_tokens=2, **ENGINE, **overrides)
+    reference = LLM("tiny-v3", dtype="float32", num_draft_tokens=2, **ENGINE)
+    for op in sampler_ops:
+        assert kernel.op_selection.backends()[op] == "pallas_gpu", op
+        assert reference.op_selection.backends()[op] == "reference", op
     outs = [
         llm.generate(prompt_token_ids=_prompts(), sampling_params=params, use_tqdm=False)
         for llm in (kernel, reference)
@@ -148,6 +169,11 @@ def test_interpreted_sampler_kernel_draws_the_reference_engines_tokens():
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         assert got.outputs[0].logprobs == want.outputs[0].logprobs
     assert len({tuple(o.outputs[0].token_ids) for o in outs[0]}) == 3
+    assert (
+        sum(kernel.last_stats.verified_at) > 0
+        and kernel.last_stats.verified_at == reference.last_stats.verified_at
+    )
+    assert kernel.last_stats.accepted_at == reference.last_stats.accepted_at
 
 
 _ENGINE_SELECTION = """
@@ -345,3 +371,59 @@ def test_engine_step_exports_for_ascend_with_the_named_calls(name):
     for op, count in _expected(name).items():
         assert calls[op] == count, (op, calls)
     assert calls["v4_sink_attention"] == 0, calls  # the paged models read the records through the sparse op
+
+
+@functools.cache
+def _spec_modules() -> tuple[str, str, int]:
+    """tiny-v41's speculative step (DSpark, its natural 4 drafts, fixed length) exported for CUDA under
+    ``pallas_gpu`` and for Ascend under ``ascend``, in production precision; and the draft count."""
+    from custom_calls.ascend.named import targets
+
+    llm = LLM("tiny-v41", dtype="bfloat16", kv_cache_dtype="quantized", num_draft_tokens=4, **ENGINE)
+    ex, sched = llm.executor, llm.scheduler
+    k = ex.num_draft_tokens
+    plan = build_plan(
+        [DeviceBatch(())],
+        buckets=sched.buckets,
+        max_blocks_per_seq=sched.max_blocks_per_seq,
+        vocab_size=ex.vocab_size,
+        num_draft_tokens=k,
+    )
+    spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+    structs = jax.tree.map(spec, (ex.params, ex.cache, ex.state, plan.inputs))
+    statics = {
+        "num_draft_tokens": k,
+        "confidence_temperature": ex._static["confidence_temperature"],
+        "model": ex.model,
+    }
+    device = jax.sharding.AbstractDevice(
+        device_kind=EXPORT_DEVICE_KIND, num_cores=EXPORT_NUM_CORES, platform="gpu"
+    )
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    mesh = jax.sharding.AbstractMesh((1, 1), ("dp", "ep"), axis_types=auto, abstract_device=device)
+    fn = functools.partial(step, mesh=mesh, selection=_selection("pallas_gpu", "gpu"), **statics)
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+        warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated", DeprecationWarning)
+        cuda = export.export(
+            jax.jit(fn),
+            platforms=["cuda"],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL)],
+        )(*structs)
+    fn = functools.partial(step, mesh=ex.mesh, selection=_selection("ascend", "ascend"), **statics)
+    checks = [export.DisabledSafetyCheck.custom_call(t) for t in targets(ops.list_ops())]
+    ascend = export.export(jax.jit(fn), platforms=["ascend"], disabled_checks=checks)(*structs)
+    return cuda.mlir_module(), ascend.mlir_module(), k
+
+
+def test_speculative_step_exports_with_the_sampler_kernels():
+    """The default V4.1 decode step drafts: its verification is one fused verify kernel (no ``sample_tokens``:
+    the fresh rows are verification rows) and its drafting one draft kernel per draft position, for CUDA; one
+    ``verify`` and ``k`` ``draft_sample`` named calls for Ascend."""
+    cuda, ascend, k = _spec_modules()
+    kernels = collections.Counter(kernel for (kernel, _), n in _triton_calls(cuda).items() for _ in range(n))
+    assert kernels["verify_tokens"] == 1 and kernels["draft_tokens"] == k and kernels["sample_tokens"] == 0, (
+        kernels
+    )
+    assert kernels["v4_sink_attention_segments"] > 0  # the attention side is on its kernels too
+    named = _named_calls(ascend)
+    assert named["verify"] == 1 and named["draft_sample"] == k and named["sample"] == 0, named

@@ -34,6 +34,8 @@ def test_bench_smoke_runs_and_checks_every_kernel():
         "paged_mla[fp8]",
         "mhc_sinkhorn",
         "sample_tokens",
+        "verify_tokens",
+        "draft_tokens",
     ]
     # decode attention lines report the bytes moved and the achieved bandwidth
     assert all(
