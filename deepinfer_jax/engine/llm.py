@@ -771,6 +771,8 @@ class LLM:
             self.scheduler.replay_keep = config.scheduler.yoco_keep_tokens
         # The runner dispatches a step with deferred grammar masks in two halves (docs/structured_outputs.md).
         self.scheduler.defer_masks = True
+        # Batch invariance: a row's verified drafts (and so its random streams) must not depend on its batch.
+        self.scheduler.whole_drafts = self.batch_invariant
         self.last_stats: RunStats | None = None
         self.expert_balancer: MeshExpertBalancer | None = None
         """EPLB of a mesh with ``expert_parallel_size > 1`` (:mod:`deepinfer_jax.engine.mesh_eplb`), else None."""

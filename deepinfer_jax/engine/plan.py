@@ -138,6 +138,10 @@ class ScheduledRow:
     resplit: bool = False
     """Variable-length verification: the planner split this row's drafts and the device may split them again
     with fresher confidences (``SpecInputs.realloc``)."""
+    resume: bool = False
+    """The last row of a recompute under speculative decoding: it ends before the request's last output and
+    emits that known token again (golden), so the drafter drafts after it as the run without preemption did;
+    the host appends nothing."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -528,6 +532,7 @@ def build_plan(
     replay_from = np.full((d, s), -1, np.int32) if replay_keep > 0 else None
     params, seeds, sample_pos, output_lens, row_index, extra = [], [], [], [], [], []
     grammars: list[tuple[int, Any]] = []  # (row, the request's RequestGrammar) of sampled constrained rows
+    resumed: list[tuple[int, int]] = []  # (row, the known token it emits) of resumed recomputes' last rows
     deferred: list[tuple[int, int, Any, int]] = []  # (device, row, request, drafts) of masks filled later
     wanted = prompt_wanted = 0
     for dev, batch in enumerate(batches):
@@ -580,7 +585,9 @@ def build_plan(
             row_index.append(dev * s + i)
             extra.append(_bad_word_completions(req) if row.sample else ())
             grammar = getattr(req, "grammar", None)
-            if row.sample and grammar is not None:
+            if row.resume:
+                resumed.append((dev * s + i, int(req.tokens(context, context + 1)[0])))
+            elif row.sample and grammar is not None:
                 if row.pending_input:
                     # Its mask depends on the token in flight: filled after dispatch, if it can constrain.
                     if grammar.may_constrain(1 + num_draft_tokens):
@@ -617,6 +624,8 @@ def build_plan(
         extra_masked_ids=extra,
         token_bitmask=bitmask,
     )
+    for index, token in resumed:
+        flat.golden[index] = token
     sampling = flat.reshape_rows(d, s)
     verify_masks = None
     if speculative and bitmask is not None:

@@ -213,6 +213,11 @@ class Request:
         # The drafts its slot's pool holds, as of its last processed step (constrained requests verify them
         # under per-row grammar masks).
         self.spec_drafts: tuple[int, ...] = ()
+        # A recompute under speculative decoding resumes where the run without preemption was: its last row feeds
+        # every known token but the last output and emits that output again (golden), so the drafter drafts after
+        # it from the same inputs and the next step verifies the drafts the uninterrupted run verified there.
+        self.resume = False
+        self.resuming = 0  # such rows in flight (their token is known, so ``pending`` does not count them)
         # Prefix caching: the keys of its full blocks so far, how many of its blocks are registered, the
         # snapshots its dispatched steps write whose keys are not known yet ({blocks before the boundary: slot}),
         # and the prompt tokens its first admission found cached (vLLM's num_cached_tokens).
@@ -238,7 +243,12 @@ class Request:
     @property
     def feed_len(self) -> int:
         """Tokens the scheduler may feed it: all known ones, or an unforked group's shared prefix."""
-        return self.prompt_len - 1 if self.unforked else self.total_len
+        return self.prompt_len - 1 if self.unforked else self.sample_len
+
+    @property
+    def sample_len(self) -> int:
+        """A row that ends here samples: after every token, or before the last output of a resumed recompute."""
+        return self.total_len - 1 if self.resume else self.total_len
 
     @property
     def width(self) -> int:
@@ -479,6 +489,11 @@ class DeviceScheduler:
         """A constrained row may be scheduled while its previous token is in flight: its grammar masks are
         filled after the step's dispatch (:attr:`StepPlan.deferred_masks`), by a runner that dispatches such a
         step in two halves (:meth:`StepExecutor.run`). Off: it waits for its token (any other driver)."""
+        self.whole_drafts = False
+        """A decode row verifies all the drafts it would verify alone (``num_draft_tokens``, or one less than the
+        token budget) or waits for the next step, instead of verifying the fewer that the step's budget has left:
+        the drafts a row verifies decide which random stream draws each of its tokens, so in batch-invariant
+        mode they must not depend on the batch (LLM sets it with ``ops.batch_invariant``)."""
         self.num_draft_tokens = _positive("num_draft_tokens", num_draft_tokens, 0)
         # Positions a speculative request may write past its known tokens: the drafts of a row in flight, the
         # drafts of the next row, and the draft layer's extra positions (docs/speculative.md, "blocks").
@@ -853,6 +868,8 @@ class DeviceScheduler:
                 break
             if req.pending:
                 break  # a recompute needs every token on the host; strict FCFS waits for it
+            # A recompute with outputs resumes at its last output (Request.resume) when the engine drafts.
+            req.resume = bool(self.num_draft_tokens) and len(req.output_token_ids) > 0
             hit, loaded, restore = self._lookup(req)
             if isinstance(restore, int) and self._restores >= self._max_restores():
                 break  # the step's slot copies are full; it is admitted next step
@@ -896,7 +913,8 @@ class DeviceScheduler:
             if q == 0:  # an unforked group of a one-token prompt: nothing is shared, it forks at once
                 self._fork(req)
                 continue
-            rows.append(ScheduledRow(req, start, q, start + q == req.total_len, False, False))
+            sample = start + q == req.sample_len
+            rows.append(ScheduledRow(req, start, q, sample, False, False, resume=sample and req.resume))
             tokens_left -= q
 
         if not rows:
@@ -1287,7 +1305,7 @@ class DeviceScheduler:
                 continue
             if cut:
                 # A shortened chunk ends before the sequence's last known token, so it samples nothing.
-                row = dataclasses.replace(row, length=row.length - cut, sample=False)
+                row = dataclasses.replace(row, length=row.length - cut, sample=False, resume=False)
             out.append(row)
         out.reverse()
         return out
@@ -1314,17 +1332,22 @@ class DeviceScheduler:
                 exact = self._needs_host_tokens(req) or self._forced_drafts(req)
                 if req.pending and (exact or (req.spec_slack and not speculates)):
                     continue  # its masks (or its exact position) need the tokens still in flight
+                if req.resuming and (exact or req.grammar is not None):
+                    continue  # its masks (or exact drafts) need the drafts its resumed row leaves in the pool
                 start = req.num_computed
                 q = min(req.feed_len - start, tokens_left)
                 if q <= 0:
                     continue
-                sample = start + q == req.total_len
+                sample = start + q == req.sample_len
                 if sample and req.total_len >= req.max_total_len:
                     continue  # its in-flight tokens complete it; stopping is certain
-                decode = sample and q == 1 and start >= req.prompt_len
+                resume = sample and req.resume
+                decode = sample and q == 1 and start >= req.prompt_len and not resume
                 nd = 0
                 if decode and speculates:
                     nd = min(self.num_draft_tokens, tokens_left - 1)
+                    if self.whole_drafts and nd < min(self.num_draft_tokens, self.token_budget - 1):
+                        continue  # the budget left would cut its drafts: it runs next step with all of them
                 need = self._tokens_held(req, start + q + nd, sample)
                 new_blocks += max(0, self.blocks.blocks_for(need) - len(req.block_ids))
                 forced: tuple[int, ...] = ()
@@ -1350,6 +1373,7 @@ class DeviceScheduler:
                         decode and bool(self.num_draft_tokens),
                         forced,
                         pool,
+                        resume=resume,
                     )
                 )
                 tokens_left -= q + nd
@@ -1427,7 +1451,10 @@ class DeviceScheduler:
             # outputs arrive (process_outputs), so num_computed stays a lower bound while it is in flight.
             req.num_computed += row.length - row.num_drafts
             req.spec_slack += row.num_drafts
-            if row.sample:
+            if row.resume:
+                req.resume = False  # its token is known: the next row decodes it
+                req.resuming += 1
+            elif row.sample:
                 req.pending += 1
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
@@ -1539,21 +1566,23 @@ class DeviceScheduler:
             offset += row.length
             if not row.sample:
                 continue
+            if row.resume:
+                # A resumed recompute's row re-emitted its last output (golden): nothing to append, only the
+                # drafts it left in the pool.
+                req.resuming -= 1
+                if req.status is RequestStatus.RUNNING:
+                    self._take_drafts(req, i, drafts, confidences)
+                    self._cache_blocks(req)
+                continue
             if req.status is RequestStatus.FINISHED:
                 self.stats.num_wasted_samples += 1
                 continue
             req.pending -= 1
-            if (
-                drafts is not None and req.grammar is not None
-            ):  # only constrained rows verify host-known drafts
-                req.spec_drafts = tuple(int(t) for t in drafts[i] if t >= 0)
+            self._take_drafts(req, i, drafts, confidences)
             # The drafts the row verified: the device's split (variable length re-splits on the device), else ours.
             verified = row.num_drafts if num_drafts is None else int(num_drafts[i])
             if confidence_error is not None and verified:
                 self.stats.confidence_error_sum += float(confidence_error[i])
-            if confidences is not None and self.verify_planner is not None:
-                req.spec_rates_prev = req.spec_rates
-                req.spec_rates = cumulative_rates(np.clip(np.asarray(confidences[i], np.float64), 0.0, 1.0))
             if accepted is None:
                 self._append_token(req, int(tokens[i]), i, arrays, now)
             else:
@@ -1567,6 +1596,15 @@ class DeviceScheduler:
             elif self.stream:
                 streamed.append((req.parent or req).to_output(final=False))
         return finished + streamed + self.take_ready_outputs()
+
+    def _take_drafts(self, req: Request, i: int, drafts: Any, confidences: Any) -> None:
+        """What the host keeps of the drafts row ``i`` left in ``req``'s pool: the tokens of a constrained request
+        (it verifies host-known drafts) and the confidences the variable-length planner reads."""
+        if drafts is not None and req.grammar is not None:
+            req.spec_drafts = tuple(int(t) for t in drafts[i] if t >= 0)
+        if confidences is not None and self.verify_planner is not None:
+            req.spec_rates_prev = req.spec_rates
+            req.spec_rates = cumulative_rates(np.clip(np.asarray(confidences[i], np.float64), 0.0, 1.0))
 
     def _append_run(
         self,
@@ -2038,6 +2076,16 @@ class Scheduler:
         for s, b in zip(self.devices, batches, strict=True):
             s.stats.num_padding_tokens += plan.padded_tokens - (0 if b is None else b.num_tokens)
         return plan
+
+    @property
+    def whole_drafts(self) -> bool:
+        """:attr:`DeviceScheduler.whole_drafts` of every device."""
+        return self.devices[0].whole_drafts
+
+    @whole_drafts.setter
+    def whole_drafts(self, value: bool) -> None:
+        for s in self.devices:
+            s.whole_drafts = bool(value)
 
     @property
     def defer_masks(self) -> bool:

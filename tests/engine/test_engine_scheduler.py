@@ -7,7 +7,7 @@ import pytest
 from one_device import OneDevice, Step  # tests/engine/one_device.py
 
 from deepinfer_jax.engine.params import SamplingParams
-from deepinfer_jax.engine.plan import PENDING_TOKEN
+from deepinfer_jax.engine.plan import DRAFT_TOKEN, PENDING_TOKEN
 from deepinfer_jax.engine.scheduler import RequestStatus
 from deepinfer_jax.text import Tokenizer, build_synthetic_tokenizer
 
@@ -179,6 +179,72 @@ def test_preemption_recomputes_longest_output_first() -> None:
     plan, out = step(sched, {"a": 53})
     assert out[0].outputs[0].token_ids == [50, 51, 52, 53] and out[0].metrics.num_preemptions == 1
     assert sched.blocks.num_free == sched.blocks.capacity and sched.stats.num_preemptions == 1
+
+
+def test_a_recompute_under_drafts_resumes_at_its_last_output() -> None:
+    """With drafts, a recomputed request feeds every known token but its last output, and that row emits the
+    last output again (golden) without appending it; the next step decodes it with drafts, as the run without
+    preemption would have (the device's drafts after it are the ones that run held)."""
+    sched = make(num_draft_tokens=1)
+    sched.add_request("a", [10, 11, 12], SamplingParams(max_tokens=6, ignore_eos=True), seed=0)
+
+    def spec_step(emitted: list[int], accepted: int) -> Step:
+        plan = sched.schedule()
+        assert plan is not None
+        plan.validate(block_size=sched.block_size)
+        out = np.zeros((plan.padded_seqs, 2), np.int32)
+        out[0, : len(emitted)] = emitted
+        acc = np.zeros(plan.padded_seqs, np.int32)
+        acc[0] = accepted
+        sched.process_outputs(plan, out, num_accepted=acc)
+        return plan
+
+    spec_step([50], 0)  # the prefill samples 50
+    plan = spec_step([51, 52], 1)  # its draft accepted, then 52
+    assert rows(plan) == [("a", [50, DRAFT_TOKEN], [3, 4], True)]
+    a = sched.get_request("a")
+    assert a.output_token_ids == [50, 51, 52] and a.num_computed == 5
+    sched.device._preempt(a)
+    plan = spec_step([52], 0)
+    # The recompute stops before 52; its sampling row emits the known 52 (golden), which is not appended again.
+    assert rows(plan) == [("a", [10, 11, 12, 50, 51], [0, 1, 2, 3, 4], True)]
+    assert plan.plan.inputs.sampling.golden[0, 0] == 52
+    assert a.output_token_ids == [50, 51, 52] and a.pending == 0 and a.resuming == 0 and not a.resume
+    plan = spec_step([53, 54], 1)
+    assert rows(plan) == [("a", [52, DRAFT_TOKEN], [5, 6], True)]
+    assert plan.plan.inputs.sampling.golden[0, 0] == -1
+    assert a.output_token_ids == [50, 51, 52, 53, 54] and a.metrics.num_preemptions == 1
+    # Without drafts the recompute feeds every known token and samples the next one, as before.
+    plain = make()
+    plain.add_request("b", [10, 11, 12], SamplingParams(max_tokens=6, ignore_eos=True), seed=0)
+    step(plain, 50)
+    step(plain, 51)
+    b = plain.get_request("b")
+    plain.device._preempt(b)
+    plan, _ = step(plain, 52)
+    assert rows(plan) == [("b", [10, 11, 12, 50, 51], [0, 1, 2, 3, 4], True)]
+    assert b.output_token_ids == [50, 51, 52] and plan.plan.inputs.sampling.golden[0, 0] == -1
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_whole_drafts_wait_instead_of_verifying_fewer(whole: bool) -> None:
+    """Four decode rows of 1 + 4 tokens under a 16-token budget: the fourth has one token left. By default it
+    verifies no drafts; with ``whole_drafts`` (batch-invariant mode) it waits for a step with room for all four."""
+    sched = make(num_draft_tokens=4, max_num_batched_tokens=16, max_num_seqs=4)
+    sched.engine.whole_drafts = whole
+    for rid in "abcd":
+        sched.add_request(rid, [10], SamplingParams(max_tokens=8, ignore_eos=True), seed=0)
+    plan = sched.schedule()
+    assert [r[0] for r in rows(plan)] == ["a", "b", "c", "d"]
+    sched.process_outputs(
+        plan, np.full((plan.padded_seqs, 5), 20, np.int32), num_accepted=np.zeros(plan.padded_seqs, np.int32)
+    )
+    plan = sched.schedule()
+    got = [(rid, toks.count(DRAFT_TOKEN)) for rid, toks, _, _ in rows(plan)]
+    if whole:
+        assert got == [("a", 4), ("b", 4), ("c", 4)]
+    else:
+        assert got == [("a", 4), ("b", 4), ("c", 4), ("d", 0)]
 
 
 def test_request_that_can_never_fit_ends_alone_with_an_error() -> None:
