@@ -1834,6 +1834,19 @@ def route(loads: Sequence[tuple[int, int]]) -> int:
     return min(range(len(loads)), key=lambda d: (loads[d][0], loads[d][1], d))
 
 
+def _every_device(name: str) -> property:
+    """A boolean switch of :class:`Scheduler` that is the same switch of every :class:`DeviceScheduler`."""
+
+    def get(self: Scheduler) -> bool:
+        return getattr(self.devices[0], name)
+
+    def put(self: Scheduler, value: bool) -> None:
+        for s in self.devices:
+            setattr(s, name, bool(value))
+
+    return property(get, put, doc=f":attr:`DeviceScheduler.{name}` of every device.")
+
+
 class Scheduler:
     """The engine's scheduler: one :class:`DeviceScheduler` per device of the mesh, a router, and the step plans.
 
@@ -2077,25 +2090,8 @@ class Scheduler:
             s.stats.num_padding_tokens += plan.padded_tokens - (0 if b is None else b.num_tokens)
         return plan
 
-    @property
-    def whole_drafts(self) -> bool:
-        """:attr:`DeviceScheduler.whole_drafts` of every device."""
-        return self.devices[0].whole_drafts
-
-    @whole_drafts.setter
-    def whole_drafts(self, value: bool) -> None:
-        for s in self.devices:
-            s.whole_drafts = bool(value)
-
-    @property
-    def defer_masks(self) -> bool:
-        """:attr:`DeviceScheduler.defer_masks` of every device."""
-        return self.devices[0].defer_masks
-
-    @defer_masks.setter
-    def defer_masks(self, value: bool) -> None:
-        for s in self.devices:
-            s.defer_masks = bool(value)
+    whole_drafts = _every_device("whole_drafts")
+    defer_masks = _every_device("defer_masks")
 
     def fill_deferred_masks(self, plan: StepPlan) -> None:
         """Fill ``plan``'s deferred grammar masks (:func:`~deepinfer_jax.engine.plan.fill_deferred_masks`) now that
