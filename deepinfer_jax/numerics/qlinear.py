@@ -10,7 +10,8 @@ identical values, which makes any row count work without padding or copying the 
 ``tile_rows=None`` (the default) takes as many rows as fit in :data:`DEFAULT_TILE_BYTES` of float32, and never
 fewer than :data:`DEFAULT_TILE_ROWS`: a weight that fits in one tile is decoded and multiplied without a loop
 (the tiny models' weights; a step of tiny-v41 then compiles about 10% faster on XLA:CPU, docs/benchmarks.md),
-and a weight of ``in >= 2048`` columns (every real-scale one) keeps tiles of 128 rows.
+a weight of ``in >= 2048`` columns keeps tiles of 128 rows, and a larger one with fewer columns (the real
+models' low-rank projections) gets 1 MiB tiles of more rows.
 
 Modes (``ARCHITECTURE.md`` §8): with ``activation_cast="none"`` the activations are used as given (float32
 parity mode, weight-only quantisation); ``"mxfp8"`` (V4/V4.1) or ``"fp8_token_block"`` (V3) first applies the
@@ -50,7 +51,7 @@ DEFAULT_TILE_BYTES = 1 << 20
 _TileDecoder = Callable[[jax.Array, jax.Array, int], jax.Array]
 
 
-def _check_tile_rows(tile_rows: int | None, padded_in: int) -> int:
+def _tile_rows(tile_rows: int | None, padded_in: int) -> int:
     """The rows of one tile: ``tile_rows``, or for ``None`` the rows of :data:`DEFAULT_TILE_BYTES` of float32
     (at least :data:`DEFAULT_TILE_ROWS`)."""
     if tile_rows is None:
@@ -77,20 +78,21 @@ def _matmul_tiles(x2d: jax.Array, decode: _TileDecoder, expert: jax.Array, rows:
         return jnp.zeros((x2d.shape[0], 0), jnp.float32)
     tile = min(tile, rows)
     num_tiles = -(-rows // tile)
-    dims = (((1,), (1,)), ((), ()))
-    if num_tiles == 1:  # the whole weight in one tile: no loop (smaller programs, faster compiles)
-        w = decode(expert, jnp.int32(0), rows)
+
+    def product(start: jax.Array, n: int) -> jax.Array:
+        """``x2d`` times the decoded rows ``[start, start + n)``: ``[T, n]`` float32."""
+        w = decode(expert, start, n)
+        dims = (((1,), (1,)), ((), ()))
         return lax.dot_general(
             x2d, w, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
         )
 
+    if num_tiles == 1:  # the whole weight in one tile: no loop (smaller programs, faster compiles)
+        return product(jnp.int32(0), rows)
+
     def body(i: jax.Array, y: jax.Array) -> jax.Array:
         start = jnp.minimum(i * tile, rows - tile)
-        w_tile = decode(expert, start, tile)
-        part = lax.dot_general(
-            x2d, w_tile, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
-        )
-        return lax.dynamic_update_slice(y, part, (jnp.int32(0), start))
+        return lax.dynamic_update_slice(y, product(start, tile), (jnp.int32(0), start))
 
     y0 = jnp.zeros((x2d.shape[0], rows), jnp.float32)
     return lax.fori_loop(0, num_tiles, body, y0)
@@ -176,7 +178,7 @@ def _dense(
     x2d = x.reshape(-1, x.shape[-1])
     if padded_in != x2d.shape[-1]:
         x2d = jnp.pad(x2d, ((0, 0), (0, padded_in - x2d.shape[-1])))
-    y = _matmul_tiles(x2d, decode, jnp.int32(0), rows, _check_tile_rows(tile_rows, padded_in))
+    y = _matmul_tiles(x2d, decode, jnp.int32(0), rows, _tile_rows(tile_rows, padded_in))
     return y.reshape(*lead, rows).astype(out_dtype or in_dtype)
 
 
@@ -264,7 +266,7 @@ def _grouped(
     in_dtype: jnp.dtype,
     tile_rows: int | None,
 ) -> jax.Array:
-    tile_rows = _check_tile_rows(tile_rows, padded_in)
+    tile_rows = _tile_rows(tile_rows, padded_in)
     if padded_in != x.shape[-1]:
         x = jnp.pad(x, ((0, 0), (0, padded_in - x.shape[-1])))
 

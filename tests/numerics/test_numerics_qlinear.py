@@ -163,7 +163,7 @@ def test_linear_input_errors():
         qlinear.fp8_linear(np.ones((2, 64), np.int32), q, s)
 
 
-def _while_loops(fn, *args) -> int:
+def _loops(fn, *args) -> int:
     """The loops of ``fn``'s jaxpr (the tile loop is one: a scan, or a while)."""
     text = str(jax.make_jaxpr(fn)(*args))
     return text.count(" while[") + text.count(" scan[")
@@ -177,17 +177,17 @@ def test_default_tiles_skip_the_loop_for_small_weights_only():
     w = random_tensor(rng, (300, 256), spread=4)
     x = random_tensor(rng, (5, 256), spread=2)
     q, s = quantize_fp8(w, (32, 32), "ue8m0")
-    assert _while_loops(lambda x: qlinear.fp8_linear(x, q, s), x) == 0
-    assert _while_loops(lambda x: qlinear.fp8_linear(x, q, s, tile_rows=128), x) == 1
+    assert _loops(lambda x: qlinear.fp8_linear(x, q, s), x) == 0
+    assert _loops(lambda x: qlinear.fp8_linear(x, q, s, tile_rows=128), x) == 1
     whole = fp8_linear(x, q, s)
     _assert_close(whole, x, _ref_fp8_weight(q, s, (32, 32)))
     np.testing.assert_allclose(whole, fp8_linear(x, q, s, tile_rows=128), rtol=1e-6, atol=1e-6)
     packed, scale = quantize_mxfp4(w)
-    assert _while_loops(lambda x: qlinear.mxfp4_linear(x, packed, scale), x) == 0
+    assert _loops(lambda x: qlinear.mxfp4_linear(x, packed, scale), x) == 0
     _assert_close(mxfp4_linear(x, packed, scale), x, _ref_mxfp4_weight(packed, scale))
     big = jnp.zeros((256, 2048), jnp.uint8), jnp.zeros((8, 64), jnp.float8_e8m0fnu)
-    assert qlinear._check_tile_rows(None, 2048) == qlinear.DEFAULT_TILE_ROWS == 128
-    assert _while_loops(lambda x: qlinear.fp8_linear(x, *big), jnp.zeros((2, 2048), jnp.float32)) == 1
+    assert qlinear._tile_rows(None, 2048) == qlinear.DEFAULT_TILE_ROWS == 128
+    assert _loops(lambda x: qlinear.fp8_linear(x, *big), jnp.zeros((2, 2048), jnp.float32)) == 1
 
 
 # ---------------------------------------------------------------------------------------------------- memory
