@@ -219,6 +219,11 @@ FIELDS: dict[str, Setting] = {
         ),
     ),
     "scheduler.min_bucket_fill": _honoured("cut prefill chunks to fill a smaller bucket below this fill"),
+    "scheduler.num_decode_steps": _honoured(
+        "up to this many decode iterations per device call while nothing waits and every running request decodes "
+        "plainly (no grammar, multi-token bad word or golden tokens); tokens stream to the host through an "
+        "io_callback; a speculative or multi-process engine warns and runs one token per step"
+    ),
     # ------------------------------------------------------------------------------------------ speculative
     "speculative.num_draft_tokens": _honoured(
         "drafts per decode row (deepseek_v3: its MTP layer, run k times for k > 1; deepseek_v41: the first k of "

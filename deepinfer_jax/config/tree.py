@@ -213,6 +213,9 @@ class SchedulerConfig(Checked):
             ring margin: ``dspark_block_size`` when drafting, else the backtracking tokens).
         min_bucket_fill: when a step's tokens fill less than this fraction of the compiled bucket they would be
             padded to, its prefill chunks are cut to fill the next smaller bucket (0 = never cut; docs/engine.md).
+        num_decode_steps: the decode loop (docs/engine.md "Decode loop"): when nothing waits for admission and
+            every running request decodes plainly, one step runs up to this many decode iterations in one device
+            call, streaming each iteration's tokens to the host through a host callback; 1 = one token per step.
     """
 
     _PREFIX: ClassVar[str] = "scheduler"
@@ -230,9 +233,11 @@ class SchedulerConfig(Checked):
     yoco_truncation: Literal["off", "mask", "compact"] = "off"
     yoco_keep_tokens: int = 140
     min_bucket_fill: float = 0.5
+    num_decode_steps: int = 1
 
     def _validate(self) -> None:
         check_range("scheduler.max_num_seqs", self.max_num_seqs, ge=1)
+        check_range("scheduler.num_decode_steps", self.num_decode_steps, ge=1)
         check_range("scheduler.min_bucket_fill", self.min_bucket_fill, ge=0.0, le=1.0)
         check_range("scheduler.max_num_batched_tokens", self.max_num_batched_tokens, ge=1)
         check_range("scheduler.lookahead_tokens", self.lookahead_tokens, ge=0)

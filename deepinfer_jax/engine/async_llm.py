@@ -427,7 +427,12 @@ class AsyncLLM:
                     self._drain_inbox()
                     if scheduler.has_unfinished_requests() or self._tracks:
                         try:
-                            runner.run(on_finished=self._on_finished, poll=self._poll, keep_outputs=False)
+                            runner.run(
+                                on_finished=self._on_finished,
+                                poll=self._poll,
+                                keep_outputs=False,
+                                progress=self._emit_progress,
+                            )
                         except Exception as exc:  # a failed step: recover as LLM.generate does, then serve on
                             self._recover(exc)
                     for stream in list(self._tracks.values()):  # a bug if any: never leave a consumer waiting

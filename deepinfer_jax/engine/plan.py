@@ -38,6 +38,7 @@ __all__ = [
     "PENDING_TOKEN",
     "CacheCopies",
     "DeviceBatch",
+    "LoopInputs",
     "PlanView",
     "ScheduledRow",
     "SpecInputs",
@@ -142,6 +143,10 @@ class ScheduledRow:
     """The last row of a recompute under speculative decoding: it ends before the request's last output and
     emits that known token again (golden), so the drafter drafts after it as the run without preemption did;
     the host appends nothing."""
+    iterations: int = 1
+    """Decode loop (``scheduler.num_decode_steps``): the decode iterations this row may run inside the step's one
+    device call (1 for every row of a plain step). Iteration ``j`` feeds the token iteration ``j - 1`` sampled at
+    position ``start + j``; the host allocated the blocks for all of them."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -167,6 +172,11 @@ class DeviceBatch:
     @property
     def num_tokens(self) -> int:
         return sum(r.length for r in self.rows)
+
+    @property
+    def num_iterations(self) -> int:
+        """The most decode iterations a row of this batch runs (1: a plain step)."""
+        return max((r.iterations for r in self.rows), default=1)
 
     @property
     def num_seqs(self) -> int:
@@ -230,6 +240,22 @@ class StepInputs(NamedTuple):
     spec: Any = None
     snapshots: Any = None
     replay_from: Any = None
+    loop: Any = None
+
+
+class LoopInputs(NamedTuple):
+    """What a decode-loop step needs besides the plan of its first iteration (``scheduler.num_decode_steps``,
+    docs/engine.md "Decode loop"); ``StepInputs.loop`` is ``None`` for every other step.
+
+    Attributes:
+      iterations: int32 ``[D, S]`` the decode iterations each row may run (0 for padding rows): its token budget
+        (``max_tokens``, ``max_model_len``), its ``min_tokens`` masking and its next window snapshot bound it.
+      stop_ids: int32 ``[D, S, W]`` the ids that end each row on the device (its EOS ids unless ``ignore_eos``,
+        and its ``stop_token_ids``); ``-1`` = unused entry.
+    """
+
+    iterations: Any
+    stop_ids: Any
 
 
 class SpecInputs(NamedTuple):
@@ -374,6 +400,8 @@ class StepPlan:
         in flight when the plan was built: its masks (``inputs.sampling.token_bitmask`` and, with drafts, the
         verify rows' ``inputs.spec.verify_masks``) are filled by :func:`fill_deferred_masks` once that token
         (and the drafts it left) reached the host, while the step's forward half runs on the device.
+      loop_steps: a decode-loop step (``inputs.loop`` set): the compiled bound on its iterations (the engine's
+        ``scheduler.num_decode_steps``); 1 for every other step.
     """
 
     inputs: StepInputs
@@ -382,6 +410,7 @@ class StepPlan:
     batches: tuple[DeviceBatch | None, ...]
     mask_seconds: float = 0.0
     deferred_masks: tuple[tuple[int, int, Any, int], ...] = ()
+    loop_steps: int = 1
 
     @property
     def num_devices(self) -> int:
@@ -426,7 +455,17 @@ class StepPlan:
                 else (self.inputs.copies.block_src.shape[1], self.inputs.copies.slot_src.shape[1])
             ),
             -1 if self.inputs.snapshots is None else int(self.inputs.snapshots.shape[2]),
+            *(
+                (1, 0)
+                if self.inputs.loop is None
+                else (self.loop_steps, int(self.inputs.loop.stop_ids.shape[2]))
+            ),
         )
+
+    @property
+    def num_iterations(self) -> int:
+        """The most decode iterations a row of this plan runs (1: a plain step)."""
+        return max((b.num_iterations for b in self.batches if b is not None), default=1)
 
     @property
     def num_placeholders(self) -> int:
@@ -497,6 +536,7 @@ def build_plan(
     device_resplit: bool = False,
     min_copies: tuple[int, int, int] = (0, 0, 0),
     replay_keep: int = 0,
+    loop_steps: int = 1,
 ) -> StepPlan:
     """The :class:`StepPlan` of one step: every device's batch (``None`` = nothing to run) in one padded plan.
 
@@ -507,6 +547,9 @@ def build_plan(
     ``min_copies`` gives the least widths of the block copies, slot copies and snapshots (fixed widths keep one
     compiled step whatever a step copies: prefix caching with snapshots). ``replay_keep > 0`` (SWA bounded
     replay's ``K``) fills ``StepInputs.replay_from`` for every step, so the step's inputs keep one structure.
+    When a row runs more than one decode iteration (:attr:`ScheduledRow.iterations`), the plan is a decode-loop
+    step: ``StepInputs.loop`` holds every row's iterations and stop ids, and ``loop_steps`` (the engine's
+    ``scheduler.num_decode_steps``, at least every row's iterations) is the compiled bound.
     """
     real = [b for b in batches if b is not None]
     if not real:
@@ -660,6 +703,9 @@ def build_plan(
         for dev, batch in enumerate(batches):
             for j, entry in enumerate(() if batch is None else batch.snapshots):
                 snapshots[dev, :, j] = entry
+    loop = None
+    if any(r.iterations > 1 for b in real for r in b.rows):
+        loop = _loop_inputs(batches, d, s, eos_token_ids, loop_steps)
     inputs = StepInputs(
         token_ids,
         positions,
@@ -676,6 +722,7 @@ def build_plan(
         SpecInputs(num_drafts, shifted, next_ids, forced, verify_masks, realloc) if speculative else None,
         snapshots,
         replay_from,
+        loop,
     )
     return StepPlan(
         inputs,
@@ -684,7 +731,36 @@ def build_plan(
         tuple(batches),
         time.perf_counter() - mask_start if bitmask is not None else 0.0,
         tuple(deferred),
+        loop_steps if loop is not None else 1,
     )
+
+
+def _loop_inputs(
+    batches: Sequence[DeviceBatch | None], d: int, s: int, eos_token_ids: Sequence[int], loop_steps: int
+) -> LoopInputs:
+    """The :class:`LoopInputs` of a decode-loop plan: each row's iterations and the ids that end it on the
+    device (the stops the host's checks would end it at: EOS unless ``ignore_eos``, then ``stop_token_ids``)."""
+    iterations = np.zeros((d, s), np.int32)
+    stops: dict[tuple[int, int], list[int]] = {}
+    for dev, batch in enumerate(batches):
+        for i, row in enumerate(() if batch is None else batch.rows):
+            if row.iterations > loop_steps:
+                raise ValueError(
+                    f"build_plan: a row of {row.iterations} decode iterations in a loop of loop_steps = {loop_steps}"
+                )
+            if not (row.decode and row.sample and not row.num_drafts) and row.iterations > 1:
+                raise ValueError("build_plan: only a plain decode row may run several decode iterations")
+            iterations[dev, i] = row.iterations if row.sample else 0
+            p = row.request.params
+            ids = [] if p.ignore_eos else sorted(int(t) for t in eos_token_ids)
+            ids += [int(t) for t in p.stop_token_ids or () if int(t) not in ids]
+            stops[dev, i] = ids
+    width = max(max((len(v) for v in stops.values()), default=0), 1)
+    width = max(4, 1 << (width - 1).bit_length())
+    stop_ids = np.full((d, s, width), -1, np.int32)
+    for (dev, i), ids in stops.items():
+        stop_ids[dev, i, : len(ids)] = ids
+    return LoopInputs(iterations, stop_ids)
 
 
 def fill_deferred_masks(plan: StepPlan) -> None:

@@ -275,6 +275,8 @@ class EngineRunner:
         self.placeholder_plans = 0
         """Per-device placeholder parts dispatched so far."""
         self._last_done = 0.0
+        # During run: where a decode loop's iterations deliver their outputs before the call's last one.
+        self._early: Callable[[list[RequestOutput]], None] | None = None
 
     def _dispatch(self, plan: StepPlan) -> InFlight:
         start = time.perf_counter()
@@ -290,7 +292,48 @@ class EngineRunner:
         self.scheduler.fill_deferred_masks(plan)
         return step._replace(out=self.executor.finish(step.out))
 
+    def _process_loop(self, plan: StepPlan, step: InFlight) -> list[RequestOutput]:
+        """A decode-loop call: hand the scheduler each iteration as its callback delivers it (while the device
+        runs the next ones); what finishes before the last iteration is delivered at once (``_early``)."""
+        loop = step.out
+        outputs: list[RequestOutput] = []
+        for item in loop.items():
+            f = item.fields
+            got = self.scheduler.process_outputs(
+                plan,
+                f["tokens"],
+                iteration=item.iteration,
+                last=item.last,
+                alive=item.alive,
+                logprob=f.get("logprob"),
+                rank=f.get("rank"),
+                top_ids=f.get("top_ids"),
+                top_logprobs=f.get("top_logprobs"),
+                sum_smaller=f.get("sum_smaller"),
+                top_sum_smaller=f.get("top_sum_smaller"),
+            )
+            if item.last or self._early is None:
+                outputs.extend(got)
+            else:
+                self._early(got)
+        self._last_done = time.perf_counter()
+        if self.balancer is not None and loop.expert_counts is not None:
+            self._balance(plan, loop.expert_counts, step.snapshot)
+        return outputs
+
+    def _balance(self, plan: StepPlan, expert_counts: jax.Array, snapshot: Any) -> None:
+        counts = _to_host(expert_counts)
+        if self.balancer is not None and self.balancer.observe(
+            counts, prefill=plan.is_prefill, snapshot=snapshot
+        ):
+            # The next dispatch takes the re-placed slots; the step in flight keeps the arrays it was given.
+            # The new placements travel to the devices: an intended transfer.
+            with jax.transfer_guard("allow"):
+                self.executor.params = self.balancer.rearrange(self.executor.params)
+
     def _process(self, plan: StepPlan, step: InFlight) -> list[RequestOutput]:
+        if plan.inputs.loop is not None:
+            return self._process_loop(plan, step)
         out = step.out
         host = _tree_to_host(out._replace(logits=None, expert_counts=None))
         done = time.perf_counter()
@@ -316,12 +359,7 @@ class EngineRunner:
             num_drafts=host.num_drafts,
         )
         if self.balancer is not None and out.expert_counts is not None:
-            counts = _to_host(out.expert_counts)
-            if self.balancer.observe(counts, prefill=plan.is_prefill, snapshot=step.snapshot):
-                # The next dispatch takes the re-placed slots; the step in flight keeps the arrays it was given.
-                # The new placements travel to the devices: an intended transfer.
-                with jax.transfer_guard("allow"):
-                    self.executor.params = self.balancer.rearrange(self.executor.params)
+            self._balance(plan, out.expert_counts, step.snapshot)
         return finished
 
     def spec_counters(self) -> SpecCounters:
@@ -370,6 +408,7 @@ class EngineRunner:
         *,
         poll: Callable[[], bool] | None = None,
         keep_outputs: bool = True,
+        progress: Callable[[], None] | None = None,
     ) -> tuple[list[RequestOutput], RunStats]:
         """Run until no request is unfinished; returns the finished outputs and the run's stats.
 
@@ -381,6 +420,11 @@ class EngineRunner:
         benchmark): it is called before every scheduling round, may add requests to the scheduler, and returns
         True while more requests are still to come. The loop then keeps going even when nothing is queued or
         running; ``poll`` should wait for the next arrival itself when the engine is idle, or the loop spins.
+
+        A decode-loop step (``scheduler.num_decode_steps > 1``) delivers its iterations one at a time while the
+        device runs the rest: the requests that finish in an iteration reach ``on_finished`` at once, and
+        ``progress`` (when given) is called after each iteration, so a streaming caller can emit the new tokens
+        (a scheduling round, and so ``poll``, comes only after the call's last iteration).
         """
         dp, ep = mesh_sizes(self.executor.mesh)
         stats = RunStats(dp=dp, ep=ep)
@@ -411,34 +455,43 @@ class EngineRunner:
             incoming = poll() if poll is not None else False
             return incoming or self.scheduler.has_unfinished_requests() or bool(in_flight)
 
+        def early(outputs: list[RequestOutput]) -> None:
+            take(outputs)
+            if progress is not None:
+                progress()
+
+        self._early = early
         opts = self.options
         depth = 1 if opts.async_scheduling else 0  # steps left in flight while the next one is scheduled
         guard = jax.transfer_guard("disallow") if opts.transfer_guard else contextlib.nullcontext()
-        with guard, _manual_gc(opts.gc_interval_steps):
-            take(self.scheduler.take_ready_outputs())
-            while more():
-                plan = self.scheduler.schedule()
-                if plan is not None:
-                    in_flight.append((plan, self._dispatch(plan)))
-                    stats.steps += 1
-                    self._periodic(stats, start)
-                if in_flight and (plan is None or len(in_flight) > depth):
-                    oldest, step = in_flight.popleft()
-                    take(self._process(oldest, self._finish(oldest, step)))
-                elif plan is None:
-                    take(self.scheduler.take_ready_outputs())
-                    if (
-                        not in_flight
-                        and self.scheduler.has_unfinished_requests()
-                        and not getattr(self.scheduler, "num_compiling", 0)
-                    ):
-                        raise RuntimeError(
-                            "the scheduler has unfinished requests but can schedule nothing and has nothing in "
-                            "flight"
-                        )
-                if in_flight:
-                    # A step split for deferred masks: every step before it is processed now (one in flight).
-                    in_flight[0] = (in_flight[0][0], self._finish(*in_flight[0]))
+        try:
+            with guard, _manual_gc(opts.gc_interval_steps):
+                take(self.scheduler.take_ready_outputs())
+                while more():
+                    plan = self.scheduler.schedule()
+                    if plan is not None:
+                        in_flight.append((plan, self._dispatch(plan)))
+                        stats.steps += 1
+                        self._periodic(stats, start)
+                    if in_flight and (plan is None or len(in_flight) > depth):
+                        oldest, step = in_flight.popleft()
+                        take(self._process(oldest, self._finish(oldest, step)))
+                    elif plan is None:
+                        take(self.scheduler.take_ready_outputs())
+                        if (
+                            not in_flight
+                            and self.scheduler.has_unfinished_requests()
+                            and not getattr(self.scheduler, "num_compiling", 0)
+                        ):
+                            raise RuntimeError(
+                                "the scheduler has unfinished requests but can schedule nothing and has nothing in "
+                                "flight"
+                            )
+                    if in_flight:
+                        # A step split for deferred masks: every step before it is processed now (one in flight).
+                        in_flight[0] = (in_flight[0][0], self._finish(*in_flight[0]))
+        finally:
+            self._early = None
         stats.seconds = time.perf_counter() - start
         stats.compile_count = self.executor.compile_count - compiles
         stats.compile_seconds = self.executor.compile_seconds - compile_s

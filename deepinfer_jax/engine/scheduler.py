@@ -377,6 +377,10 @@ class SchedulerStats:
     num_decode_tokens: int = 0
     """Rows that feed one output token and sample the next (the rest count as prefill tokens)."""
     num_padding_tokens: int = 0
+    num_loop_steps: int = 0
+    """Decode-loop steps (``num_decode_steps > 1``): steps whose rows ran several decode iterations in one call."""
+    num_loop_iterations: int = 0
+    """Decode iterations those steps ran (the device ends a call early once every row has stopped)."""
     num_preemptions: int = 0
     num_wasted_samples: int = 0
     """Samples discarded because their request had stopped after the step was scheduled."""
@@ -456,6 +460,9 @@ class DeviceScheduler:
         min_bucket_fill: when a step's tokens fill less than this fraction of the bucket they would be padded
             to, its prefill chunks are shortened to fill a smaller bucket exactly instead (0 disables this;
             with a single bucket there is nothing smaller to fill).
+        num_decode_steps: the decode loop's bound (``scheduler.num_decode_steps``): when nothing waits and every
+            running request decodes plainly, one step runs up to this many decode iterations in one device call
+            (:meth:`loop_ready`, docs/engine.md "Decode loop"); 1 = one token per step.
     """
 
     def __init__(
@@ -480,6 +487,7 @@ class DeviceScheduler:
         force_drafts: bool = False,
         verify_planner: Any = None,
         prefix_cache: PrefixCacheOptions | None = None,
+        num_decode_steps: int = 1,
     ) -> None:
         self.verify_planner = verify_planner
         self.prefix_cache = prefix_cache
@@ -495,6 +503,12 @@ class DeviceScheduler:
         the drafts a row verifies decide which random stream draws each of its tokens, so in batch-invariant
         mode they must not depend on the batch (LLM sets it with ``ops.batch_invariant``)."""
         self.num_draft_tokens = _positive("num_draft_tokens", num_draft_tokens, 0)
+        self.num_decode_steps = _positive("num_decode_steps", num_decode_steps)
+        if self.num_decode_steps > 1 and self.num_draft_tokens:
+            raise ValueError(
+                f"Scheduler num_decode_steps = {self.num_decode_steps} with num_draft_tokens = "
+                f"{self.num_draft_tokens}: the decode loop does not run speculative steps yet"
+            )
         # Positions a speculative request may write past its known tokens: the drafts of a row in flight, the
         # drafts of the next row, and the draft layer's extra positions (docs/speculative.md, "blocks").
         self.spec_margin = 3 * self.num_draft_tokens
@@ -851,16 +865,18 @@ class DeviceScheduler:
         futures = [r.grammar_future for r in self._compiling if r.grammar_future is not None]
         concurrent.futures.wait(futures, timeout=wait, return_when=concurrent.futures.FIRST_COMPLETED)
 
-    def schedule(self) -> DeviceBatch | None:
+    def schedule(self, loop_steps: int = 1) -> DeviceBatch | None:
         """This device's rows of the next step, or ``None`` when nothing can run now (everything waits for
-        in-flight tokens or a grammar compile, or there is no work)."""
+        in-flight tokens or a grammar compile, or there is no work). ``loop_steps > 1``: the step is a decode loop
+        of at most that many iterations (the engine's scheduler decides it, :meth:`loop_ready`): every plain
+        decode row gets its :attr:`~deepinfer_jax.engine.plan.ScheduledRow.iterations` and the blocks for them."""
         self._admit_compiled()
         if self.snapshots is not None:
             self.snapshots.begin_step()  # the slots this step restores are pinned from here on
         for req in list(self._running):
             if req.unforked and req.num_computed == req.feed_len:
                 self._fork(req)
-        rows, tokens_left = self._schedule_running()
+        rows, tokens_left = self._schedule_running(loop_steps)
 
         while self._waiting and tokens_left > 0 and len(rows) < self.seq_budget:
             req = self._waiting[0]
@@ -1310,7 +1326,44 @@ class DeviceScheduler:
         out.reverse()
         return out
 
-    def _schedule_running(self) -> tuple[list[ScheduledRow], int]:
+    def loop_ready(self) -> bool:
+        """Whether this device's next step may be a decode loop (``num_decode_steps > 1``): nothing waits for
+        admission or a grammar compile (a waiting request joins at the next step, so its TTFT is never held back
+        by a loop), and every running request decodes plainly (:meth:`_loopable`). Vacuously true for a device
+        without requests."""
+        if self.num_decode_steps <= 1 or self._waiting or self._compiling:
+            return False
+        return all(self._loopable(req) for req in self._running)
+
+    def _loopable(self, req: Request) -> bool:
+        """``req``'s next row is a plain decode whose inputs the device can advance alone: past its prompt, one
+        token to feed, no grammar, no multi-token bad word, no golden tokens, not a resumed recompute."""
+        return (
+            not req.resume
+            and not req.resuming
+            and not req.unforked
+            and req.grammar is None
+            and not req.needs_host_tokens
+            and req.params.golden_token_ids is None
+            and req.num_computed >= req.prompt_len
+            and req.feed_len - req.num_computed == 1
+        )
+
+    def _loop_iterations(self, req: Request, start: int, loop_steps: int) -> int:
+        """The decode iterations ``req``'s row at ``start`` may run in a loop of ``loop_steps``: at most its
+        tokens left, no further than its ``min_tokens`` masking holds unchanged (the plan's masks are built once
+        for the call), and no window snapshot after the first iteration (those are planned for it alone)."""
+        n = min(loop_steps, req.max_total_len - req.total_len)
+        outputs = start + 1 - req.prompt_len  # outputs before the row's first sample
+        if outputs < req.params.min_tokens:
+            n = min(n, req.params.min_tokens - outputs)
+        if self.snapshots is not None:
+            bs = self.block_size
+            boundary = ((start + 1) // bs + 1) * bs  # the first block boundary after the first iteration
+            n = min(n, boundary - start - 1)
+        return max(n, 1)
+
+    def _schedule_running(self, loop_steps: int = 1) -> tuple[list[ScheduledRow], int]:
         """Rows of the running requests (admission order, within the budgets) and the tokens left.
 
         The rows are first planned without allocating. If their new blocks exceed the free ones, the running
@@ -1343,12 +1396,15 @@ class DeviceScheduler:
                     continue  # its in-flight tokens complete it; stopping is certain
                 resume = sample and req.resume
                 decode = sample and q == 1 and start >= req.prompt_len and not resume
+                iterations = 1
+                if loop_steps > 1 and decode and self._loopable(req):
+                    iterations = self._loop_iterations(req, start, loop_steps)
                 nd = 0
                 if decode and speculates:
                     nd = min(self.num_draft_tokens, tokens_left - 1)
                     if self.whole_drafts and nd < min(self.num_draft_tokens, self.token_budget - 1):
                         continue  # the budget left would cut its drafts: it runs next step with all of them
-                need = self._tokens_held(req, start + q + nd, sample)
+                need = self._tokens_held(req, start + q + nd + iterations - 1, sample)
                 new_blocks += max(0, self.blocks.blocks_for(need) - len(req.block_ids))
                 forced: tuple[int, ...] = ()
                 pool: tuple[int, ...] = ()
@@ -1374,14 +1430,18 @@ class DeviceScheduler:
                         forced,
                         pool,
                         resume=resume,
+                        iterations=iterations,
                     )
                 )
                 tokens_left -= q + nd
             if new_blocks <= self.blocks.num_free:
                 break
+            if loop_steps > 1:
+                loop_steps = 1  # the loop's blocks ahead do not fit: one iteration, before preempting anyone
+                continue
             self._preempt(max(self._running, key=_priority))
         for row in rows:
-            need = self._tokens_held(row.request, row.start + row.length, row.sample)
+            need = self._tokens_held(row.request, row.start + row.length + row.iterations - 1, row.sample)
             missing = self.blocks.blocks_for(need) - len(row.request.block_ids)
             if missing > 0:
                 row.request.block_ids.extend(self.blocks.allocate(missing))
@@ -1449,17 +1509,18 @@ class DeviceScheduler:
             req = row.request
             # A row with drafts computes its first token for certain; the accepted drafts are added when its
             # outputs arrive (process_outputs), so num_computed stays a lower bound while it is in flight.
-            req.num_computed += row.length - row.num_drafts
+            # A decode-loop row feeds one more token per iteration after its first.
+            req.num_computed += row.length - row.num_drafts + row.iterations - 1
             req.spec_slack += row.num_drafts
             if row.resume:
                 req.resume = False  # its token is known: the next row decodes it
                 req.resuming += 1
             elif row.sample:
-                req.pending += 1
+                req.pending += row.iterations
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
             if row.decode:
-                self.stats.num_decode_tokens += 1
+                self.stats.num_decode_tokens += row.iterations
             else:
                 self.stats.num_prefill_tokens += row.length
         if self.prefix_cache is not None:
@@ -1493,6 +1554,8 @@ class DeviceScheduler:
         self._restores = 0
         self._in_flight[batch] = None
         self.stats.num_steps += 1
+        if batch.num_iterations > 1:
+            self.stats.num_loop_steps += 1
         self.stats.num_scheduled_tokens += batch.num_tokens
         return batch
 
@@ -1515,8 +1578,17 @@ class DeviceScheduler:
         confidence_error: Any = None,
         drafts: Any = None,
         num_drafts: Any = None,
+        iteration: int = 0,
+        last: bool = True,
+        alive: Any = None,
     ) -> list[RequestOutput]:
         """Take the sampled tokens of ``batch`` (the oldest unprocessed one), apply stops, free what finished.
+
+        A decode-loop batch (:attr:`~deepinfer_jax.engine.plan.DeviceBatch.num_iterations` > 1) is processed one
+        iteration at a time, in order: ``iteration`` is its index, ``last`` says it is the call's final one (the
+        device ends the loop early once every row stopped), and ``alive [S]`` marks the rows that sampled in it
+        (a row the device stopped samples no more; the host must have ended it at the same token). The batch
+        leaves the in-flight queue with its last iteration.
 
         ``sampled_tokens`` is ``[S]`` (or at least ``[num_seqs]``), one per row; rows with ``sample`` false are
         ignored. ``logprob`` / ``rank`` (``[S]``) and ``top_ids`` / ``top_logprobs`` (``[S, n]``) are the
@@ -1534,7 +1606,14 @@ class DeviceScheduler:
         oldest = next(iter(self._in_flight))
         if batch is not oldest:
             raise ValueError("process_outputs: steps must be processed in the order they were scheduled")
-        del self._in_flight[batch]
+        # A batch whose rows all run one iteration may still be part of a loop step (another device's rows loop):
+        # its later iterations have nothing for it.
+        looped = batch.num_iterations > 1
+        if last:
+            del self._in_flight[batch]
+        if looped:
+            self.stats.num_loop_iterations += 1
+        live = None if alive is None else np.asarray(alive)
         tokens = np.asarray(sampled_tokens)
         if tokens.ndim == 2:  # speculative: [S, K + 1] emitted tokens per row, num_accepted [S]
             if num_accepted is None:
@@ -1561,10 +1640,14 @@ class DeviceScheduler:
         offset = 0
         for i, row in enumerate(batch.rows):
             req = row.request
-            if req.prompt_logprobs is not None and req.status is not RequestStatus.FINISHED:
+            if (
+                iteration == 0
+                and req.prompt_logprobs is not None
+                and req.status is not RequestStatus.FINISHED
+            ):
                 self._record_prompt_logprobs(req, row, offset, prompt_logprobs)
             offset += row.length
-            if not row.sample:
+            if not row.sample or iteration >= row.iterations:
                 continue
             if row.resume:
                 # A resumed recompute's row re-emitted its last output (golden): nothing to append, only the
@@ -1576,6 +1659,10 @@ class DeviceScheduler:
                 continue
             if req.status is RequestStatus.FINISHED:
                 self.stats.num_wasted_samples += 1
+                continue
+            if live is not None and not live[i]:
+                self._loop_mismatch(req, iteration, row.iterations - iteration)
+                finished.extend(o for o in (self._final_output(req),) if o is not None)
                 continue
             req.pending -= 1
             self._take_drafts(req, i, drafts, confidences)
@@ -1595,7 +1682,30 @@ class DeviceScheduler:
                     finished.append(done)
             elif self.stream:
                 streamed.append((req.parent or req).to_output(final=False))
+        if looped and last:
+            # Iterations the device did not run (it ended the call once every row had stopped): a row planned
+            # for them must have been ended by the host too.
+            for row in batch.rows:
+                req = row.request
+                missing = row.iterations - iteration - 1 if row.sample else 0
+                if missing > 0 and req.status is not RequestStatus.FINISHED:
+                    self._loop_mismatch(req, iteration + 1, missing)
+                    finished.extend(o for o in (self._final_output(req),) if o is not None)
         return finished + streamed + self.take_ready_outputs()
+
+    def _loop_mismatch(self, req: Request, iteration: int, missing: int) -> None:
+        """The device stopped ``req``'s decode-loop row before ``iteration`` but the host's stop checks did not end
+        it: its outputs would miss ``missing`` tokens, so it ends with an error (never silently short)."""
+        req.pending = max(req.pending - missing, 0)
+        self._finish(
+            req,
+            "error",
+            error=(
+                f"request {req.request_id!r}: the decode loop stopped it on the device at iteration {iteration} "
+                f"after token {req.output_token_ids[-1] if req.output_token_ids else None}, but the host's stop "
+                "checks did not"
+            ),
+        )
 
     def _take_drafts(self, req: Request, i: int, drafts: Any, confidences: Any) -> None:
         """What the host keeps of the drafts row ``i`` left in ``req``'s pool: the tokens of a constrained request
@@ -1882,6 +1992,7 @@ class Scheduler:
         self.eos_token_ids = tuple(sorted(first.eos_token_ids))
         self.banned_token_ids = tuple(int(t) for t in banned_token_ids)
         self.num_draft_tokens = first.num_draft_tokens
+        self.num_decode_steps = first.num_decode_steps
         self.force_drafts = first.force_drafts
         self.replay_keep = 0  # SWA bounded replay's K (LLM sets it when scheduler.yoco_truncation is on)
         self._assigned: list[dict[str, None]] = [{} for _ in self.devices]  # insertion-ordered request ids
@@ -2057,7 +2168,11 @@ class Scheduler:
         """The next step over every device (:class:`~deepinfer_jax.engine.plan.StepPlan`), or ``None`` when no
         device can run anything now."""
         self._loads = None  # scheduling changes what the requests hold (in-flight samples)
-        batches = tuple(s.schedule() for s in self.devices)
+        # A decode loop only when every device can run one: a device with a waiting request or a prefill chunk
+        # would otherwise wait for the other devices' iterations.
+        k = self.num_decode_steps
+        loop = k if k > 1 and all(s.loop_ready() for s in self.devices) else 1
+        batches = tuple(s.schedule(loop) for s in self.devices)
         while (
             all(b is None for b in batches)
             and not any(s.num_in_flight for s in self.devices)
@@ -2082,6 +2197,7 @@ class Scheduler:
             device_resplit=self.devices[0].verify_planner is not None,
             min_copies=self._min_copies,
             replay_keep=self.replay_keep,
+            loop_steps=loop,
         )
         if plan.mask_seconds:
             self.devices[0].stats.num_masked_steps += 1
@@ -2110,11 +2226,14 @@ class Scheduler:
         if planner is not None:
             planner.observe(plan.padded_tokens, step_ms)
 
-    def process_outputs(self, plan: StepPlan, sampled_tokens: Any, **arrays: Any) -> list[RequestOutput]:
+    def process_outputs(
+        self, plan: StepPlan, sampled_tokens: Any, *, iteration: int = 0, last: bool = True, **arrays: Any
+    ) -> list[RequestOutput]:
         """Hand each device its slice of ``plan``'s results and return the requests that finished.
 
         ``sampled_tokens`` and the keyword arrays of :meth:`DeviceScheduler.process_outputs` (``logprob``, ``rank``,
-        ``top_ids``, ``top_logprobs``, the ``prompt_logprobs`` tuple) come with a leading device axis ``D``.
+        ``top_ids``, ``top_logprobs``, the ``prompt_logprobs`` tuple, a decode loop's ``alive``) come with a leading
+        device axis ``D``; ``iteration`` and ``last`` (a decode loop's iteration) are the same for every device.
         """
         self._loads = None
         out: list[RequestOutput] = []
@@ -2124,5 +2243,9 @@ class Scheduler:
                     k: None if v is None else tuple(a[d] for a in v) if isinstance(v, tuple) else v[d]
                     for k, v in arrays.items()
                 }
-                out.extend(self.devices[d].process_outputs(batch, sampled_tokens[d], **part))
+                out.extend(
+                    self.devices[d].process_outputs(
+                        batch, sampled_tokens[d], iteration=iteration, last=last, **part
+                    )
+                )
         return out

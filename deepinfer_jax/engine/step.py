@@ -532,10 +532,34 @@ def packed_step(
     packed: tuple[Any, ...],
     *carry: Any,
     layout: PackedLayout,
+    loop_steps: int = 1,
+    emit: Callable[..., None] | None = None,
     **static: Any,
 ):
     """:func:`step` over inputs packed by :func:`pack_inputs` (what :class:`StepExecutor` compiles); the
-    ``"sample"`` half of a split step also takes the ``"forward"`` half's carry."""
+    ``"sample"`` half of a split step also takes the ``"forward"`` half's carry. Stage ``"loop"`` runs a
+    decode-loop plan's iterations (:func:`~deepinfer_jax.engine.decode_loop.loop_step`, at most ``loop_steps``,
+    each handed to the host through ``emit``)."""
+    if static.get("stage") == "loop":
+        from deepinfer_jax.engine.decode_loop import loop_step
+
+        if emit is None:
+            raise ValueError("packed_step: stage 'loop' needs the emit callback")
+        static = {**static, "stage": "all"}
+        width = None
+        if static.get("counts"):
+            _, ep = mesh_sizes(static["mesh"])
+            width = sum(w for _, w in expert_count_layout(params, ep))
+        return loop_step(
+            params,
+            cache,
+            state,
+            unpack_inputs(packed, layout),
+            loop_steps=loop_steps,
+            emit=emit,
+            step_fn=functools.partial(step, **static),
+            counts_width=width,
+        )
     return step(
         params, cache, state, unpack_inputs(packed, layout), carry=carry[0] if carry else None, **static
     )
@@ -648,6 +672,9 @@ class StepExecutor:
         self.compile_cache_hits = 0
         self.on_compile: Callable[[int | None, int | None], None] | None = None
         self._split: SplitStep | None = None
+        from deepinfer_jax.engine.decode_loop import LoopChannel
+
+        self._loop_channel = LoopChannel()
         self.cache = self._stacked(lambda: model.init_cache(num_blocks, num_slots))
         self.state = self._stacked(lambda: init_state(num_slots, self.vocab_size, self.num_draft_tokens))
         # Prefix caching's host tier: every device's blocks / slots gathered or written at once (vmap over D).
@@ -705,6 +732,8 @@ class StepExecutor:
                     "num_prompt_logprobs": plan.num_prompt_logprobs,
                     "stage": stage,
                 }
+                if stage == "loop":
+                    options.update(loop_steps=plan.loop_steps, emit=self._loop_channel.emit)
                 fn = compile_cache.compile_traced(
                     functools.partial(packed_step, **options),
                     structs,
@@ -722,7 +751,11 @@ class StepExecutor:
                     tokens,
                     seqs,
                     plan.variant[2:],
-                    "" if stage == "all" else f" ({stage} half)",
+                    ""
+                    if stage == "all"
+                    else f" (decode loop of {plan.loop_steps})"
+                    if stage == "loop"
+                    else f" ({stage} half)",
                     seconds,
                     " (persistent cache hit)" if hit else "",
                 )
@@ -781,12 +814,13 @@ class StepExecutor:
                         jax.tree.map(put, host[part], entry.numpy())
             self.cache = self._writer(self.cache, block_ids, slot_ids, self._place(host))
 
-    def run(self, plan: StepPlan) -> StepOutput | SplitStep:
+    def run(self, plan: StepPlan) -> Any:
         """Dispatch one step for ``plan``; returns its stacked outputs (``[D, S, ...]``) without waiting.
 
         A plan with :attr:`~deepinfer_jax.engine.plan.StepPlan.deferred_masks` dispatches only the step's
         forward half and returns a :class:`SplitStep`: fill the masks, then :meth:`finish` it (before any other
-        step is dispatched) for the outputs."""
+        step is dispatched) for the outputs. A decode-loop plan (``inputs.loop``) returns a
+        :class:`~deepinfer_jax.engine.decode_loop.LoopStep`, whose iterations arrive through host callbacks."""
         self._host_transfers(plan)
         if plan.num_devices != self.num_devices:
             raise ValueError(f"plan: {plan.num_devices} devices, but the mesh has {self.num_devices}")
@@ -794,6 +828,13 @@ class StepExecutor:
             raise ValueError(
                 f"plan: block tables of width {plan.max_blocks_per_seq}, the executor's is {self.max_blocks_per_seq}"
             )
+        if plan.inputs.loop is not None:
+            if plan.deferred_masks:
+                raise ValueError("plan: a decode-loop step cannot have deferred grammar masks")
+            from deepinfer_jax.engine.decode_loop import LoopStep
+
+            self.cache, self.state, out = self._call(plan, "loop")
+            return LoopStep(plan, out, self._loop_channel)
         if plan.deferred_masks:
             self.cache, self.state, carry = self._call(plan, "forward")
             self._split = SplitStep(plan, carry)
@@ -833,6 +874,7 @@ class StepExecutor:
         arrays carrying the device error) both are created afresh. Returns True when they were re-created. A step
         split in two whose sample half was not dispatched is dropped (its requests end with the failure)."""
         self._split = None
+        self._loop_channel.clear()
         try:
             leaves = jax.tree.leaves((self.cache, self.state))
             if any(leaf.is_deleted() for leaf in leaves):

@@ -232,6 +232,140 @@ def test_stop_strings_ids_and_min_tokens(mesh):
     assert len(late.token_ids) >= first + 2 and stop_id not in late.token_ids[: first + 1]
 
 
+# ------------------------------------------------------------------------------------------ the decode loop
+
+LOOP_STEPS = 4
+
+
+@functools.cache
+def _loop_llm(name: str, mesh: tuple[int, int]) -> LLM:
+    """``_llm``'s engine with the decode loop (``scheduler.num_decode_steps = 4``) and a cache that holds the
+    loop workload without preempting, so the steps after the prompts are decode loops."""
+    dp, ep = mesh
+    devices = dp * ep
+    return LLM(
+        name,
+        dtype="float32",
+        data_parallel_size=dp,
+        expert_parallel_size=ep,
+        max_num_seqs=4 if devices == 1 else 16,
+        max_num_batched_tokens=16 * devices,
+        kv_cache_memory="64MiB",
+        **{"cache.block_size": 16, "cache.num_blocks": 16, "scheduler.num_decode_steps": LOOP_STEPS},
+    )
+
+
+def _loop_requests() -> tuple[list[list[int]], list[SamplingParams]]:
+    """Four requests (every one running at once on one device), 9 to 18 new tokens each: greedy rows with
+    logprobs, seeded rows with penalties, a stop id and ``min_tokens`` that masks it for a while."""
+    rng = np.random.default_rng(21)
+    prompts = [rng.integers(3, 500, int(n)).tolist() for n in (11, 26, 5, 17)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True, logprobs=2),
+        SamplingParams(
+            temperature=0.8,
+            top_k=40,
+            max_tokens=18,
+            seq_seed=77,
+            repetition_penalty=1.3,
+            presence_penalty=0.4,
+        ),
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logprobs=2, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, max_tokens=15, min_tokens=6, logprobs=2),
+    ]
+    return prompts, params
+
+
+@functools.cache
+def _loop_outputs(name: str, mesh: tuple[int, int]):
+    """The loop workload on the one-token engine (the reference) and on the loop engine."""
+    prompts, params = _loop_requests()
+    ref = _llm(name, mesh).generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    # A stop id: the first token the fourth (greedy) request produces after its min_tokens that it had not
+    # produced before; min_tokens masks it before then.
+    tokens = ref[3].outputs[0].token_ids
+    stop = next(t for k, t in enumerate(tokens) if k >= params[3].min_tokens and t not in tokens[:k])
+    params[3] = params[3].replace(stop_token_ids=[stop])
+    ref[3] = _llm(name, mesh).generate(
+        prompt_token_ids=[prompts[3]], sampling_params=params[3], use_tqdm=False
+    )[0]
+    got = _loop_llm(name, mesh).generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    return prompts, params, ref, got
+
+
+@pytest.mark.parametrize(
+    "name,mesh",
+    [("tiny-v3", (1, 1)), ("tiny-v3", (2, 4)), ("tiny-v4", (1, 1))],
+    ids=["tiny-v3-one-device", "tiny-v3-dp2-ep4", "tiny-v4-one-device"],
+)
+def test_decode_loop_gives_the_one_token_outputs(name, mesh):
+    """``scheduler.num_decode_steps = 4``: the same tokens (greedy, seeded with penalties, a stop id under
+    ``min_tokens``), finish and stop reasons as one-token steps, logprobs within float32 noise of other batch
+    shapes; the decode steps ran as loops (fewer steps than decode tokens); a second run compiles nothing. On the
+    mesh, devices without rows run placeholders inside the loop and EPLB's counts are summed over iterations."""
+    llm = _loop_llm(name, mesh)
+    _, params, ref, got = _loop_outputs(name, mesh)
+    stats = llm.last_stats
+    for i, (r, g) in enumerate(zip(ref, got, strict=True)):
+        a, b = r.outputs[0], g.outputs[0]
+        assert b.token_ids == a.token_ids, f"request {i}"
+        assert (b.finish_reason, b.stop_reason) == (a.finish_reason, a.stop_reason), i
+        if params[i].logprobs:
+            np.testing.assert_allclose(
+                [e[t].logprob for t, e in zip(b.token_ids, b.logprobs)],
+                [e[t].logprob for t, e in zip(a.token_ids, a.logprobs)],
+                atol=LOGPROB_TOL,
+            )
+            assert [sorted(e) for e in b.logprobs] == [sorted(e) for e in a.logprobs], i
+    assert ref[3].outputs[0].stop_reason == params[3].stop_token_ids[0]
+    assert len(ref[3].outputs[0].token_ids) > params[3].min_tokens
+    loops = sum(d.stats.num_loop_steps for d in llm.scheduler.devices)
+    assert loops > 0 and stats.steps < sum(len(g.outputs[0].token_ids) for g in got) // 2
+    compiled = llm.executor.compile_count
+    prompts, params = _loop_requests()[0], _loop_outputs(name, mesh)[1]
+    again = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in got]
+    assert llm.executor.compile_count == compiled, "the steady state must not recompile"
+
+
+def test_decode_loop_stop_strings_and_streaming():
+    """Stop strings are the host's: the device runs on after the stop, and the host cuts the text and drops the
+    tokens after it, as the one-token engine does. A streaming consumer (AsyncLLM, DELTA) gets one output per
+    iteration while the call runs, not one per call."""
+    import asyncio
+
+    from deepinfer_jax.engine.async_llm import AsyncLLM
+    from deepinfer_jax.engine.params import RequestOutputKind
+
+    llm, plain = _loop_llm("tiny-v3", (1, 1)), _llm("tiny-v3", (1, 1))
+    prompt = [7, 8, 9, 10, 11]
+    free = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    base = plain.generate(prompt_token_ids=[prompt], sampling_params=free, use_tqdm=False)[0].outputs[0]
+    stop_text = base.text[len(base.text) // 2 : len(base.text) // 2 + 3]
+    assert stop_text
+    cut_params = free.replace(stop=[stop_text])
+    want = plain.generate(prompt_token_ids=[prompt], sampling_params=cut_params, use_tqdm=False)[0].outputs[0]
+    got = llm.generate(prompt_token_ids=[prompt], sampling_params=cut_params, use_tqdm=False)[0].outputs[0]
+    assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+        want.text,
+        want.token_ids,
+        "stop",
+        stop_text,
+    )
+    assert len(got.token_ids) < len(base.token_ids)
+    loops = llm.scheduler.devices[0].stats.num_loop_steps
+    with AsyncLLM(llm) as engine:
+
+        async def main():
+            stream = engine.generate(prompt, free.replace(output_kind=RequestOutputKind.DELTA), "loop-stream")
+            return [o async for o in stream]
+
+        outs = asyncio.run(main())
+    assert [t for o in outs for t in o.outputs[0].token_ids] == base.token_ids
+    assert llm.scheduler.devices[0].stats.num_loop_steps > loops  # it decoded in loops
+    assert len(outs) == len(base.token_ids)  # one output per token: every iteration streamed on its own
+
+
 def _flatten(output) -> list[tuple[int, int, float, int | None]]:
     """Every reported (position, token id, logprob, rank), in order: what must match bit for bit."""
     return [
