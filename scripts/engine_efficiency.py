@@ -13,8 +13,10 @@ The engine's decode rate is measured by difference, so prefill, admission and th
 
 Each pair measures the bare step, then the short and the long ``generate`` (every program is compiled before the
 first pair), and the script prints the ratio per pair, the median of the pair ratios and best against best
-(the 2-core machines are noisy). Workload: ``--num_prompts`` prompts of ``--prompt_len`` random token ids (seed 0),
-float32, ``kv_cache_memory="64MiB"``.
+(the 2-core machines are noisy). With ``--num_decode_steps K`` (> 1) each pair also measures a second engine of
+the same model with the decode loop (``scheduler.num_decode_steps = K``, docs/engine.md "Decode loop") the same
+way, and reports its rate against the same bare step and against the one-token engine of the pair. Workload: ``--num_prompts`` prompts of ``--prompt_len`` random token ids (seed 0),
+float32, ``kv_cache_memory="64MiB"``, no speculative drafts.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ flags.DEFINE_integer("short", 8, "new tokens of the short generate")
 flags.DEFINE_integer("long", 72, "new tokens of the long generate")
 flags.DEFINE_integer("pairs", 5, "measurement pairs (bare step, then engine)")
 flags.DEFINE_integer("calls", 64, "bare-step calls per measurement")
+flags.DEFINE_integer("num_decode_steps", 1, "> 1: also measure an engine with this decode loop bound")
+flags.DEFINE_integer("decode_stream_interval", 1, "the loop engine's scheduler.decode_stream_interval")
 
 
 def _measure(name: str) -> dict[str, Any]:
@@ -42,16 +46,25 @@ def _measure(name: str) -> dict[str, Any]:
     from deepinfer_jax import LLM, SamplingParams
     from deepinfer_jax.engine.step import pack_inputs
 
-    llm = LLM(name, dtype="float32", kv_cache_memory="64MiB")
+    # Plain decode steps (no drafts: tiny-v3's MTP layer would make every decode row two tokens long).
+    options: dict[str, Any] = {"dtype": "float32", "kv_cache_memory": "64MiB", "num_draft_tokens": 0}
+    llm = LLM(name, **options)
+    k = FLAGS.num_decode_steps
+    loop_settings = {"scheduler.num_decode_steps": k, "scheduler.decode_stream_interval": FLAGS.decode_stream_interval}
+    looped = LLM(name, **options, **loop_settings) if k > 1 else None
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 200, FLAGS.prompt_len).tolist() for _ in range(FLAGS.num_prompts)]
+    reference: dict[int, list[list[int]]] = {}
 
-    def generate(new_tokens: int) -> float:
+    def generate(new_tokens: int, engine: Any = llm) -> float:
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         start = time.perf_counter()
-        outs = llm.generate(sampling_params=params, prompt_token_ids=prompts, use_tqdm=False)
+        outs = engine.generate(sampling_params=params, prompt_token_ids=prompts, use_tqdm=False)
         seconds = time.perf_counter() - start
         assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
+        tokens = [o.outputs[0].token_ids for o in outs]
+        if reference.setdefault(new_tokens, tokens) != tokens:
+            raise AssertionError(f"{name}: the decode-loop engine's tokens differ from the one-token engine's")
         return seconds
 
     # Record the plans of one long generate (this also compiles every program both generates use).
@@ -68,6 +81,9 @@ def _measure(name: str) -> dict[str, Any]:
     finally:
         executor.run = run
     generate(FLAGS.short)
+    if looped is not None:
+        generate(FLAGS.long, looped)
+        generate(FLAGS.short, looped)
 
     def is_decode(p: Any) -> bool:  # every row of the batch samples, one token each
         rows = int(np.asarray(p.inputs.sample).sum())
@@ -96,14 +112,30 @@ def _measure(name: str) -> dict[str, Any]:
         executor.reset_state()  # the bare calls wrote junk rows into the state; the engine's next run starts clean
         return rows * FLAGS.calls / seconds
 
-    pairs = []
+    def decode_rate(engine: Any) -> float:
+        short, long = generate(FLAGS.short, engine), generate(FLAGS.long, engine)
+        return FLAGS.num_prompts * (FLAGS.long - FLAGS.short) / max(long - short, 1e-9)
+
+    pairs, loop_rates = [], []
     for _ in range(FLAGS.pairs):
         bare_rate = bare()
-        short, long = generate(FLAGS.short), generate(FLAGS.long)
-        engine_rate = FLAGS.num_prompts * (FLAGS.long - FLAGS.short) / max(long - short, 1e-9)
-        pairs.append((engine_rate, bare_rate))
+        pairs.append((decode_rate(llm), bare_rate))
+        if looped is not None:
+            loop_rates.append(decode_rate(looped))
     llm.close()
     ratios = [e / b for e, b in pairs]
+    extra: dict[str, Any] = {}
+    if looped is not None:
+        looped.close()
+        extra = {
+            "num_decode_steps": k,
+            "decode_stream_interval": FLAGS.decode_stream_interval,
+            "loop_tok_s": [round(r, 1) for r in loop_rates],
+            "loop_vs_bare_median": round(float(np.median([r / b for r, (_, b) in zip(loop_rates, pairs)])), 3),
+            "loop_vs_engine_median": round(float(np.median([r / e for r, (e, _) in zip(loop_rates, pairs)])), 3),
+            "loop_vs_engine_best": round(max(loop_rates) / max(e for e, _ in pairs), 3),
+            "loop_ms_per_step": round(1e3 * FLAGS.num_prompts / max(loop_rates), 2),
+        }
     return {
         "model": name,
         "decode_bucket": list(plan.variant[:2]),
@@ -114,6 +146,7 @@ def _measure(name: str) -> dict[str, Any]:
         "ratio_best": round(max(e for e, _ in pairs) / max(b for _, b in pairs), 3),
         "bare_ms_per_step": round(1e3 * rows / max(b for _, b in pairs), 2),
         "engine_ms_per_step": round(1e3 * FLAGS.num_prompts / max(e for e, _ in pairs), 2),
+        **extra,
     }
 
 

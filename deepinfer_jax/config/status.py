@@ -224,6 +224,14 @@ FIELDS: dict[str, Setting] = {
         "plainly (no grammar, multi-token bad word or golden tokens); tokens stream to the host through an "
         "io_callback; a speculative or multi-process engine warns and runs one token per step"
     ),
+    "scheduler.decode_stream_interval": _honoured(
+        "a decode loop hands its tokens to the host through a host callback every this many iterations (and after "
+        "its last; values above num_decode_steps act as num_decode_steps); 0: no callback, the host reads the "
+        "call's tokens when it is done",
+        warn_if=lambda cfg: (
+            "scheduler.num_decode_steps is 1 (no decode loop)" if cfg.scheduler.num_decode_steps <= 1 else None
+        ),
+    ),
     # ------------------------------------------------------------------------------------------ speculative
     "speculative.num_draft_tokens": _honoured(
         "drafts per decode row (deepseek_v3: its MTP layer, run k times for k > 1; deepseek_v41: the first k of "

@@ -216,6 +216,10 @@ class SchedulerConfig(Checked):
         num_decode_steps: the decode loop (docs/engine.md "Decode loop"): when nothing waits for admission and
             every running request decodes plainly, one step runs up to this many decode iterations in one device
             call, streaming each iteration's tokens to the host through a host callback; 1 = one token per step.
+        decode_stream_interval: a decode loop hands its tokens to the host through a host callback every this
+            many iterations (and after its last): 1 streams every token as it is sampled, larger values spread the
+            callbacks' cost over more tokens, 0 makes no callback (the host reads the call's tokens when it is
+            done). On XLA:CPU a program with a host callback runs about 10% slower (docs/benchmarks.md).
     """
 
     _PREFIX: ClassVar[str] = "scheduler"
@@ -234,10 +238,12 @@ class SchedulerConfig(Checked):
     yoco_keep_tokens: int = 140
     min_bucket_fill: float = 0.5
     num_decode_steps: int = 1
+    decode_stream_interval: int = 1
 
     def _validate(self) -> None:
         check_range("scheduler.max_num_seqs", self.max_num_seqs, ge=1)
         check_range("scheduler.num_decode_steps", self.num_decode_steps, ge=1)
+        check_range("scheduler.decode_stream_interval", self.decode_stream_interval, ge=0)
         check_range("scheduler.min_bucket_fill", self.min_bucket_fill, ge=0.0, le=1.0)
         check_range("scheduler.max_num_batched_tokens", self.max_num_batched_tokens, ge=1)
         check_range("scheduler.lookahead_tokens", self.lookahead_tokens, ge=0)

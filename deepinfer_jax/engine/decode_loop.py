@@ -14,10 +14,12 @@ blocks for all of them allocated ahead). :func:`loop_step` runs it as one ``lax.
   (``max_tokens``, ``max_model_len``, ``min_tokens``, the next snapshot); a stopped row runs on as scratch (its
   block table points at the reserved block 0 and its slot at the reserved slot 0, so it writes nothing of
   its sequence's), and the loop ends when every row has stopped or after ``loop_steps`` iterations;
-* each iteration's sampler outputs reach the host through an ordered ``io_callback``
+* each iteration's sampler outputs are kept in a buffer of the call, and every ``stream_interval`` iterations
+  (and after the last) an ordered ``io_callback`` hands the iterations since the previous one to the host
   (:class:`LoopStep`): the callback only puts them on a queue (on XLA:CPU it runs inside the loop), and the
   runner processes them -- detokenization, stop strings, streaming -- while the device goes on. A stop string
-  the host finds ends the request; the tokens the device sampled after it are dropped.
+  the host finds ends the request; the tokens the device sampled after it are dropped. A callback has a fixed
+  cost (about 0.5 ms on the 2-core CPU machine, docs/benchmarks.md), which the interval spreads.
 
 The outputs equal those of one-token steps token for token: every iteration computes what the plain step
 computes for the same rows (same positions, counts, random streams), and a stopped row changes no other row.
@@ -37,10 +39,7 @@ from jax.experimental import io_callback
 
 from deepinfer_jax.engine.plan import PENDING_TOKEN, StepInputs, StepPlan
 
-__all__ = ["LoopItem", "LoopOutput", "LoopStep", "iteration_inputs", "loop_step"]
-
-# The sampler outputs each iteration hands to the host (StepOutput fields; None ones are left out).
-_EMITTED = ("tokens", "logprob", "rank", "top_ids", "top_logprobs", "sum_smaller", "top_sum_smaller")
+__all__ = ["LoopChannel", "LoopItem", "LoopOutput", "LoopStep", "PackedLayout", "iteration_inputs", "loop_step"]
 
 
 class LoopOutput(NamedTuple):
@@ -50,11 +49,14 @@ class LoopOutput(NamedTuple):
       iterations: int32 ``[D]`` the iterations the call ran (the same on every device).
       alive: bool ``[D, S]`` the rows still running after the last one.
       expert_counts: int32 ``[D, Σ P / ep]`` the expert counts summed over the iterations, or ``None``.
+      payload: without callbacks (``stream_interval = 0``): every iteration's packed rows (:class:`PackedLayout`;
+        the same payload repeated on every device); ``None`` when callbacks deliver them.
     """
 
     iterations: jax.Array
     alive: jax.Array
     expert_counts: jax.Array | None = None
+    payload: jax.Array | None = None
 
 
 def iteration_inputs(base: StepInputs, j: jax.Array, alive: jax.Array) -> StepInputs:
@@ -99,49 +101,124 @@ def loop_step(
     inputs: StepInputs,
     *,
     loop_steps: int,
-    emit: Callable[..., None],
+    channel: LoopChannel,
     step_fn: Callable[..., tuple[Any, Any, Any]],
     counts_width: int | None = None,
+    stream_interval: int = 1,
+    num_logprobs: int = 0,
+    sum_smaller: bool = False,
 ) -> tuple[Any, Any, LoopOutput]:
     """Run a decode-loop plan's iterations (module docstring) with ``step_fn(params, cache, state, inputs)`` --
     the engine's step with its static options bound -- as one ``lax.while_loop``.
 
-    ``emit(j, outputs, alive, last)`` is the ordered host callback of every iteration: ``outputs`` the step's
-    sampler fields (:data:`_EMITTED`), ``alive [D, S]`` the rows that sampled in it, ``last`` whether it is the
-    call's final iteration. ``counts_width``: the steps return expert counts of that width per device (summed
-    over the iterations into :attr:`LoopOutput.expert_counts`); ``None``: they return none."""
+    The ordered host callback (``channel``'s :meth:`LoopChannel.emitter`) is made after every ``stream_interval``
+    iterations and after the call's final one, with one int32 payload: :class:`PackedLayout`'s header, then the
+    call's buffer of iteration rows (one argument: each argument of a host callback costs tens of microseconds
+    on the host).
+    ``counts_width``: the steps return expert counts of that width per device (summed over the iterations into
+    :attr:`LoopOutput.expert_counts`); ``None``: they return none. ``num_logprobs`` and ``sum_smaller`` are the
+    step's (the widths of its sampler fields)."""
     loop = inputs.loop
     if loop is None:
         raise ValueError("loop_step: the plan has no decode loop (StepInputs.loop is None)")
     if inputs.prompt_targets is not None:
         raise ValueError("loop_step: a decode-loop plan computes no prompt logprobs")
+    if not 0 <= stream_interval <= loop_steps:
+        raise ValueError(f"loop_step: stream_interval = {stream_interval} must be in [0, loop_steps = {loop_steps}]")
     base = inputs._replace(loop=None)
-    d = base.seq_slots.shape[0]
+    d, s = base.seq_slots.shape
     iterations = loop.iterations
     alive0 = base.sample & (iterations > 0) & (base.seq_slots >= 0)
     counts0 = None if counts_width is None else jnp.zeros((d, counts_width), jnp.int32)
+    layout = PackedLayout(d, s, num_logprobs, sum_smaller)
+    emit = channel.emitter(layout) if stream_interval else None
+    buffer0 = jnp.zeros((loop_steps, d, s, layout.width), jnp.int32)
 
     def cond(carry: Any) -> jax.Array:
-        j, _, _, alive, _ = carry
+        j, _, _, alive, *_ = carry
         return (j < loop_steps) & jnp.any(alive)
 
     def body(carry: Any) -> Any:
-        j, cache, state, alive, counts = carry
+        j, cache, state, alive, counts, buffer = carry
         cache, state, out = step_fn(params, cache, state, iteration_inputs(base, j, alive))
         tokens = out.tokens
         stopped = jnp.any((tokens[..., None] == loop.stop_ids) & (loop.stop_ids >= 0), axis=-1) | (tokens < 0)
         after = alive & ~stopped & (j + 1 < iterations)
         last = (j + 1 >= loop_steps) | ~jnp.any(after)
-        fields = {name: getattr(out, name) for name in _EMITTED if getattr(out, name) is not None}
-        io_callback(emit, None, j, fields, alive, last, ordered=True)
+        buffer = buffer.at[j].set(layout.pack(out, alive))
+        first = j - j % stream_interval
+
+        def flush() -> None:
+            header = jnp.stack([first, j + 1 - first, last.astype(jnp.int32)]).astype(jnp.int32)
+            io_callback(emit, None, jnp.concatenate([header, buffer.reshape(-1)]), ordered=True)
+
+        if stream_interval:
+            jax.lax.cond(last | ((j + 1) % stream_interval == 0), flush, lambda: None)
         if counts is not None:
             counts = counts + out.expert_counts
-        return j + 1, cache, state, after, counts
+        return j + 1, cache, state, after, counts, buffer
 
-    j, cache, state, alive, counts = jax.lax.while_loop(
-        cond, body, (jnp.int32(0), cache, state, alive0, counts0)
+    j, cache, state, alive, counts, buffer = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), cache, state, alive0, counts0, buffer0)
     )
-    return cache, state, LoopOutput(jnp.full((d,), j, jnp.int32), alive, counts)
+    payload = None
+    if not stream_interval:  # no callbacks: the call returns its iterations' rows for the host to read after it
+        header = jnp.stack([jnp.int32(0), j, jnp.int32(1)]).astype(jnp.int32)
+        payload = jnp.broadcast_to(jnp.concatenate([header, buffer.reshape(-1)]), (d, 3 + buffer.size))
+    return cache, state, LoopOutput(jnp.full((d,), j, jnp.int32), alive, counts, payload)
+
+
+class PackedLayout(NamedTuple):
+    """How a decode loop packs one iteration's sampler outputs into int32 rows ``[D, S, width]``: the token, its
+    rank, the row's alive flag, the logprob's float32 bits, then ``n`` alternatives' ids and logprob bits, then
+    (with ``sum_smaller``) the token's and the alternatives' CDF bits. A payload is ``(first, count, last)``
+    followed by the call's whole ``[loop_steps, D, S, width]`` buffer."""
+
+    d: int
+    s: int
+    n: int
+    sum_smaller: bool
+
+    @property
+    def width(self) -> int:
+        return 4 + 2 * self.n + (1 + self.n if self.sum_smaller else 0)
+
+    def pack(self, out: Any, alive: jax.Array) -> jax.Array:
+        def bits(x: jax.Array) -> jax.Array:
+            return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+        parts = [
+            out.tokens.astype(jnp.int32)[..., None],
+            out.rank.astype(jnp.int32)[..., None],
+            alive.astype(jnp.int32)[..., None],
+            bits(out.logprob)[..., None],
+            out.top_ids.astype(jnp.int32).reshape(self.d, self.s, self.n),
+            bits(out.top_logprobs).reshape(self.d, self.s, self.n),
+        ]
+        if self.sum_smaller:
+            parts += [bits(out.sum_smaller)[..., None], bits(out.top_sum_smaller).reshape(self.d, self.s, self.n)]
+        return jnp.concatenate(parts, axis=-1)
+
+    def unpack(self, payload: np.ndarray) -> tuple[int, int, bool, dict[str, np.ndarray], np.ndarray]:
+        """``(first, count, last, fields [count, D, S, ...], alive [count, D, S])`` of a payload (numpy)."""
+        first, count, last = (int(x) for x in payload[:3])
+        rows = payload[3:].reshape(-1, self.d, self.s, self.width)[first : first + count]
+        n = self.n
+
+        def floats(a: np.ndarray) -> np.ndarray:
+            return np.ascontiguousarray(a).view(np.float32)
+
+        fields = {
+            "tokens": rows[..., 0].copy(),
+            "rank": rows[..., 1].copy(),
+            "logprob": floats(rows[..., 3]),
+            "top_ids": rows[..., 4 : 4 + n].copy(),
+            "top_logprobs": floats(rows[..., 4 + n : 4 + 2 * n]),
+        }
+        if self.sum_smaller:
+            fields["sum_smaller"] = floats(rows[..., 4 + 2 * n])
+            fields["top_sum_smaller"] = floats(rows[..., 5 + 2 * n : 5 + 3 * n])
+        return first, count, bool(last), fields, rows[..., 2].astype(np.bool_)
 
 
 class LoopItem(NamedTuple):
@@ -161,12 +238,18 @@ class LoopChannel:
         self._queue: queue.Queue[LoopItem] = queue.Queue()
         self._lock = threading.Lock()
 
-    def emit(self, j: Any, fields: dict[str, Any], alive: Any, last: Any) -> None:
-        """The ``io_callback`` target: copy the iteration's arrays and queue them (nothing else, so the device
-        is not held up)."""
-        self._queue.put(
-            LoopItem(int(j), {k: np.array(v) for k, v in fields.items()}, np.array(alive), bool(last))
-        )
+    def emitter(self, layout: PackedLayout) -> Callable[[Any], None]:
+        """The ``io_callback`` target of a compiled loop of this ``layout``: unpack the payload and queue one item
+        per iteration (nothing else, so the device is not held up long)."""
+
+        def emit(payload: Any) -> None:
+            first, count, last, fields, alive = layout.unpack(np.asarray(payload))
+            for i in range(count):
+                self._queue.put(
+                    LoopItem(first + i, {k: v[i] for k, v in fields.items()}, alive[i], last and i == count - 1)
+                )
+
+        return emit
 
     def clear(self) -> None:
         """Drop whatever a failed call left queued."""
@@ -187,10 +270,11 @@ class LoopStep:
     """A dispatched decode-loop call (:meth:`StepExecutor.run <deepinfer_jax.engine.step.StepExecutor.run>` of a
     plan with ``inputs.loop``): its final :class:`LoopOutput` and the iterations its callbacks deliver."""
 
-    def __init__(self, plan: StepPlan, out: LoopOutput, channel: LoopChannel) -> None:
+    def __init__(self, plan: StepPlan, out: LoopOutput, channel: LoopChannel, layout: PackedLayout) -> None:
         self.plan = plan
         self.out = out
         self._channel = channel
+        self._layout = layout
         self._done = False
 
     @property
@@ -203,11 +287,17 @@ class LoopStep:
         return self.out.expert_counts
 
     def items(self, poll_s: float = 0.05) -> Iterator[LoopItem]:
-        """The call's iterations in order as their callbacks arrive, up to the last. If the call fails on the
-        device, its error is raised here instead of waiting forever."""
+        """The call's iterations in order as their callbacks arrive, up to the last (without callbacks: all of them
+        once the call is done). If the call fails on the device, its error is raised here instead of waiting
+        forever."""
         if self._done:
             raise RuntimeError("LoopStep.items: this call's iterations were taken already")
         self._done = True
+        if self.out.payload is not None:  # no callbacks: every iteration once the call is done
+            first, count, _, fields, alive = self._layout.unpack(np.asarray(jax.device_get(self.out.payload))[0])
+            for i in range(count):
+                yield LoopItem(first + i, {k: v[i] for k, v in fields.items()}, alive[i], i == count - 1)
+            return
         expected = 0
         while True:
             item = self._channel.get(poll_s)

@@ -819,6 +819,7 @@ class LLM:
             ),
             num_draft_tokens=self.num_draft_tokens,
             confidence_temperature=_confidence_temperatures(config, self.num_draft_tokens),
+            stream_interval=config.scheduler.decode_stream_interval,
         )
         self.latency_curve: LatencyCurve | None = None
         """Variable-length verification: the measured decode latency of each token bucket (``None``: off)."""

@@ -533,18 +533,19 @@ def packed_step(
     *carry: Any,
     layout: PackedLayout,
     loop_steps: int = 1,
-    emit: Callable[..., None] | None = None,
+    stream_interval: int = 1,
+    channel: Any = None,
     **static: Any,
 ):
     """:func:`step` over inputs packed by :func:`pack_inputs` (what :class:`StepExecutor` compiles); the
     ``"sample"`` half of a split step also takes the ``"forward"`` half's carry. Stage ``"loop"`` runs a
     decode-loop plan's iterations (:func:`~deepinfer_jax.engine.decode_loop.loop_step`, at most ``loop_steps``,
-    each handed to the host through ``emit``)."""
+    handed to the host through ``channel`` every ``stream_interval`` iterations)."""
     if static.get("stage") == "loop":
         from deepinfer_jax.engine.decode_loop import loop_step
 
-        if emit is None:
-            raise ValueError("packed_step: stage 'loop' needs the emit callback")
+        if channel is None:
+            raise ValueError("packed_step: stage 'loop' needs the host channel of its callbacks")
         static = {**static, "stage": "all"}
         width = None
         if static.get("counts"):
@@ -556,9 +557,12 @@ def packed_step(
             state,
             unpack_inputs(packed, layout),
             loop_steps=loop_steps,
-            emit=emit,
+            channel=channel,
             step_fn=functools.partial(step, **static),
             counts_width=width,
+            stream_interval=stream_interval,
+            num_logprobs=static.get("num_logprobs", 0),
+            sum_smaller=bool(static["sampler"].sum_smaller) if static.get("sampler") is not None else False,
         )
     return step(
         params, cache, state, unpack_inputs(packed, layout), carry=carry[0] if carry else None, **static
@@ -606,6 +610,9 @@ class StepExecutor:
       selection: the op selection the step is compiled under (``ops.backend`` / ``ops.overrides``,
         :func:`~deepinfer_jax.ops.selection.resolve_selection`); ``None`` = every op's automatic choice.
       sampler: the engine-wide :class:`SamplerOptions`.
+      stream_interval: a decode-loop step hands its iterations' outputs to the host every this many iterations
+        (``scheduler.decode_stream_interval``; at most the loop's bound); 0: no host callbacks, the host reads them
+        all when the call is done.
 
     Attributes:
       compile_count: compilations done so far (one per variant used).
@@ -632,6 +639,7 @@ class StepExecutor:
         sampler: SamplerOptions | None = None,
         num_draft_tokens: int = 0,
         confidence_temperature: tuple[float, ...] = (1.0,),
+        stream_interval: int = 1,
     ) -> None:
         if not isinstance(model, PagedModel):
             raise TypeError(f"model: expected a PagedModel, got {type(model).__name__}")
@@ -639,6 +647,7 @@ class StepExecutor:
             ("max_blocks_per_seq", max_blocks_per_seq, 1),
             ("num_blocks", num_blocks, 2),
             ("num_slots", num_slots, 1),
+            ("stream_interval", stream_interval, 0),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
@@ -664,6 +673,8 @@ class StepExecutor:
             "confidence_temperature": tuple(float(t) for t in confidence_temperature),
         }
         self.num_draft_tokens = int(num_draft_tokens)
+        self.stream_interval = stream_interval
+        """Decode loops hand their iterations to the host every this many (and after the last)."""
         self._sharding = NamedSharding(mesh, DEVICE_SPEC)
         self._compiled: dict[tuple[int, ...], Any] = {}
         self._lock = threading.Lock()
@@ -733,7 +744,11 @@ class StepExecutor:
                     "stage": stage,
                 }
                 if stage == "loop":
-                    options.update(loop_steps=plan.loop_steps, emit=self._loop_channel.emit)
+                    options.update(
+                        loop_steps=plan.loop_steps,
+                        stream_interval=min(self.stream_interval, plan.loop_steps),
+                        channel=self._loop_channel,
+                    )
                 fn = compile_cache.compile_traced(
                     functools.partial(packed_step, **options),
                     structs,
@@ -831,10 +846,12 @@ class StepExecutor:
         if plan.inputs.loop is not None:
             if plan.deferred_masks:
                 raise ValueError("plan: a decode-loop step cannot have deferred grammar masks")
-            from deepinfer_jax.engine.decode_loop import LoopStep
+            from deepinfer_jax.engine.decode_loop import LoopStep, PackedLayout
 
             self.cache, self.state, out = self._call(plan, "loop")
-            return LoopStep(plan, out, self._loop_channel)
+            sum_smaller = self._static["sampler"].sum_smaller
+            layout = PackedLayout(self.num_devices, plan.padded_seqs, plan.num_logprobs, bool(sum_smaller))
+            return LoopStep(plan, out, self._loop_channel, layout)
         if plan.deferred_masks:
             self.cache, self.state, carry = self._call(plan, "forward")
             self._split = SplitStep(plan, carry)

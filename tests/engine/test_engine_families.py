@@ -238,9 +238,10 @@ LOOP_STEPS = 4
 
 
 @functools.cache
-def _loop_llm(name: str, mesh: tuple[int, int]) -> LLM:
-    """``_llm``'s engine with the decode loop (``scheduler.num_decode_steps = 4``) and a cache that holds the
-    loop workload without preempting, so the steps after the prompts are decode loops."""
+def _loop_llm(name: str, mesh: tuple[int, int], interval: int = 1) -> LLM:
+    """``_llm``'s engine with the decode loop (``scheduler.num_decode_steps = 4``, its tokens handed to the host
+    every ``interval`` iterations; 0 = when the call is done) and a cache that holds the loop workload without
+    preempting, so the steps after the prompts are decode loops."""
     dp, ep = mesh
     devices = dp * ep
     return LLM(
@@ -251,7 +252,12 @@ def _loop_llm(name: str, mesh: tuple[int, int]) -> LLM:
         max_num_seqs=4 if devices == 1 else 16,
         max_num_batched_tokens=16 * devices,
         kv_cache_memory="64MiB",
-        **{"cache.block_size": 16, "cache.num_blocks": 16, "scheduler.num_decode_steps": LOOP_STEPS},
+        **{
+            "cache.block_size": 16,
+            "cache.num_blocks": 16,
+            "scheduler.num_decode_steps": LOOP_STEPS,
+            "scheduler.decode_stream_interval": interval,
+        },
     )
 
 
@@ -277,7 +283,7 @@ def _loop_requests() -> tuple[list[list[int]], list[SamplingParams]]:
 
 
 @functools.cache
-def _loop_outputs(name: str, mesh: tuple[int, int]):
+def _loop_outputs(name: str, mesh: tuple[int, int], interval: int):
     """The loop workload on the one-token engine (the reference) and on the loop engine."""
     prompts, params = _loop_requests()
     ref = _llm(name, mesh).generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
@@ -289,22 +295,24 @@ def _loop_outputs(name: str, mesh: tuple[int, int]):
     ref[3] = _llm(name, mesh).generate(
         prompt_token_ids=[prompts[3]], sampling_params=params[3], use_tqdm=False
     )[0]
-    got = _loop_llm(name, mesh).generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    got = _loop_llm(name, mesh, interval).generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     return prompts, params, ref, got
 
 
 @pytest.mark.parametrize(
-    "name,mesh",
-    [("tiny-v3", (1, 1)), ("tiny-v3", (2, 4)), ("tiny-v4", (1, 1))],
-    ids=["tiny-v3-one-device", "tiny-v3-dp2-ep4", "tiny-v4-one-device"],
+    "name,mesh,interval",
+    [("tiny-v3", (1, 1), 3), ("tiny-v3", (1, 1), 0), ("tiny-v3", (2, 4), 1), ("tiny-v4", (1, 1), 1)],
+    ids=["tiny-v3-one-device-every-3", "tiny-v3-one-device-at-the-end", "tiny-v3-dp2-ep4", "tiny-v4-one-device"],
 )
-def test_decode_loop_gives_the_one_token_outputs(name, mesh):
+def test_decode_loop_gives_the_one_token_outputs(name, mesh, interval):
     """``scheduler.num_decode_steps = 4``: the same tokens (greedy, seeded with penalties, a stop id under
     ``min_tokens``), finish and stop reasons as one-token steps, logprobs within float32 noise of other batch
-    shapes; the decode steps ran as loops (fewer steps than decode tokens); a second run compiles nothing. On the
-    mesh, devices without rows run placeholders inside the loop and EPLB's counts are summed over iterations."""
-    llm = _loop_llm(name, mesh)
-    _, params, ref, got = _loop_outputs(name, mesh)
+    shapes; the decode steps ran as loops (fewer steps than decode tokens); a second run compiles nothing. Tokens
+    reach the host every iteration, every 3 (a chunk that a call's last iteration cuts short) or when the call is
+    done. On the mesh, devices without rows run placeholders inside the loop and EPLB's counts are summed over
+    iterations."""
+    llm = _loop_llm(name, mesh, interval)
+    _, params, ref, got = _loop_outputs(name, mesh, interval)
     stats = llm.last_stats
     for i, (r, g) in enumerate(zip(ref, got, strict=True)):
         a, b = r.outputs[0], g.outputs[0]
@@ -322,7 +330,7 @@ def test_decode_loop_gives_the_one_token_outputs(name, mesh):
     loops = sum(d.stats.num_loop_steps for d in llm.scheduler.devices)
     assert loops > 0 and stats.steps < sum(len(g.outputs[0].token_ids) for g in got) // 2
     compiled = llm.executor.compile_count
-    prompts, params = _loop_requests()[0], _loop_outputs(name, mesh)[1]
+    prompts, params = _loop_requests()[0], _loop_outputs(name, mesh, interval)[1]
     again = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in got]
     assert llm.executor.compile_count == compiled, "the steady state must not recompile"
