@@ -16,7 +16,7 @@ first pair), and the script prints the ratio per pair, the median of the pair ra
 (the 2-core machines are noisy). With ``--num_decode_steps K`` (> 1) each pair also measures a second engine of
 the same model with the decode loop (``scheduler.num_decode_steps = K``, docs/engine.md "Decode loop") the same
 way, and reports its rate against the same bare step and against the one-token engine of the pair. Workload: ``--num_prompts`` prompts of ``--prompt_len`` random token ids (seed 0),
-float32, ``kv_cache_memory="64MiB"``, no speculative drafts.
+float32, ``kv_cache_memory="64MiB"``, ``max_num_seqs`` = the batch, no speculative drafts.
 """
 
 from __future__ import annotations
@@ -47,10 +47,18 @@ def _measure(name: str) -> dict[str, Any]:
     from deepinfer_jax.engine.step import pack_inputs
 
     # Plain decode steps (no drafts: tiny-v3's MTP layer would make every decode row two tokens long).
-    options: dict[str, Any] = {"dtype": "float32", "kv_cache_memory": "64MiB", "num_draft_tokens": 0}
+    options: dict[str, Any] = {
+        "dtype": "float32",
+        "kv_cache_memory": "64MiB",
+        "num_draft_tokens": 0,
+        "max_num_seqs": FLAGS.num_prompts,
+    }
     llm = LLM(name, **options)
     k = FLAGS.num_decode_steps
-    loop_settings = {"scheduler.num_decode_steps": k, "scheduler.decode_stream_interval": FLAGS.decode_stream_interval}
+    loop_settings = {
+        "scheduler.num_decode_steps": k,
+        "scheduler.decode_stream_interval": FLAGS.decode_stream_interval,
+    }
     looped = LLM(name, **options, **loop_settings) if k > 1 else None
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 200, FLAGS.prompt_len).tolist() for _ in range(FLAGS.num_prompts)]
@@ -64,7 +72,9 @@ def _measure(name: str) -> dict[str, Any]:
         assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
         tokens = [o.outputs[0].token_ids for o in outs]
         if reference.setdefault(new_tokens, tokens) != tokens:
-            raise AssertionError(f"{name}: the decode-loop engine's tokens differ from the one-token engine's")
+            raise AssertionError(
+                f"{name}: the decode-loop engine's tokens differ from the one-token engine's"
+            )
         return seconds
 
     # Record the plans of one long generate (this also compiles every program both generates use).
@@ -131,8 +141,12 @@ def _measure(name: str) -> dict[str, Any]:
             "num_decode_steps": k,
             "decode_stream_interval": FLAGS.decode_stream_interval,
             "loop_tok_s": [round(r, 1) for r in loop_rates],
-            "loop_vs_bare_median": round(float(np.median([r / b for r, (_, b) in zip(loop_rates, pairs)])), 3),
-            "loop_vs_engine_median": round(float(np.median([r / e for r, (e, _) in zip(loop_rates, pairs)])), 3),
+            "loop_vs_bare_median": round(
+                float(np.median([r / b for r, (_, b) in zip(loop_rates, pairs)])), 3
+            ),
+            "loop_vs_engine_median": round(
+                float(np.median([r / e for r, (e, _) in zip(loop_rates, pairs)])), 3
+            ),
             "loop_vs_engine_best": round(max(loop_rates) / max(e for e, _ in pairs), 3),
             "loop_ms_per_step": round(1e3 * FLAGS.num_prompts / max(loop_rates), 2),
         }

@@ -218,6 +218,7 @@ class EngineBench:
         if balancer is not None:
             moe_start = (balancer.total_peak, balancer.total_mean, balancer.rearrangements)
         spec_start = self.llm.runner.spec_counters()
+        loop_start = (self.llm.runner.loop_steps, self.llm.runner.loop_iterations)
         ctx = timer.attach(self.llm) if measure_steps else contextlib.nullcontext(timer)
         with ctx:
             if w.online:
@@ -278,6 +279,11 @@ class EngineBench:
                 "moe_lb": peak / mean if mean > 0 else None,
                 "eplb_rearrangements": balancer.rearrangements - moe_start[2],
             }
+        run["decode_loop"] = {
+            "num_decode_steps": getattr(self.llm, "num_decode_steps", 1),
+            "calls": self.llm.runner.loop_steps - loop_start[0],
+            "iterations": self.llm.runner.loop_iterations - loop_start[1],
+        }
         run["speculative"] = _spec_summary(
             self.llm.num_draft_tokens, self.llm.runner.spec_counters().since(spec_start)
         )

@@ -229,7 +229,9 @@ FIELDS: dict[str, Setting] = {
         "its last; values above num_decode_steps act as num_decode_steps); 0: no callback, the host reads the "
         "call's tokens when it is done",
         warn_if=lambda cfg: (
-            "scheduler.num_decode_steps is 1 (no decode loop)" if cfg.scheduler.num_decode_steps <= 1 else None
+            "scheduler.num_decode_steps is 1 (no decode loop)"
+            if cfg.scheduler.num_decode_steps <= 1
+            else None
         ),
     ),
     # ------------------------------------------------------------------------------------------ speculative

@@ -39,7 +39,15 @@ from jax.experimental import io_callback
 
 from deepinfer_jax.engine.plan import PENDING_TOKEN, StepInputs, StepPlan
 
-__all__ = ["LoopChannel", "LoopItem", "LoopOutput", "LoopStep", "PackedLayout", "iteration_inputs", "loop_step"]
+__all__ = [
+    "LoopChannel",
+    "LoopItem",
+    "LoopOutput",
+    "LoopStep",
+    "PackedLayout",
+    "iteration_inputs",
+    "loop_step",
+]
 
 
 class LoopOutput(NamedTuple):
@@ -124,7 +132,9 @@ def loop_step(
     if inputs.prompt_targets is not None:
         raise ValueError("loop_step: a decode-loop plan computes no prompt logprobs")
     if not 0 <= stream_interval <= loop_steps:
-        raise ValueError(f"loop_step: stream_interval = {stream_interval} must be in [0, loop_steps = {loop_steps}]")
+        raise ValueError(
+            f"loop_step: stream_interval = {stream_interval} must be in [0, loop_steps = {loop_steps}]"
+        )
     base = inputs._replace(loop=None)
     d, s = base.seq_slots.shape
     iterations = loop.iterations
@@ -149,7 +159,7 @@ def loop_step(
         first = j - j % stream_interval
 
         def flush() -> None:
-            header = jnp.stack([first, j + 1 - first, last.astype(jnp.int32)]).astype(jnp.int32)
+            header = jnp.stack([loop.call[0], first, j + 1 - first, last.astype(jnp.int32)]).astype(jnp.int32)
             io_callback(emit, None, jnp.concatenate([header, buffer.reshape(-1)]), ordered=True)
 
         if stream_interval:
@@ -162,17 +172,19 @@ def loop_step(
         cond, body, (jnp.int32(0), cache, state, alive0, counts0, buffer0)
     )
     payload = None
-    if not stream_interval:  # no callbacks: the call returns its iterations' rows for the host to read after it
-        header = jnp.stack([jnp.int32(0), j, jnp.int32(1)]).astype(jnp.int32)
-        payload = jnp.broadcast_to(jnp.concatenate([header, buffer.reshape(-1)]), (d, 3 + buffer.size))
+    if (
+        not stream_interval
+    ):  # no callbacks: the call returns its iterations' rows for the host to read after it
+        header = jnp.stack([loop.call[0], jnp.int32(0), j, jnp.int32(1)]).astype(jnp.int32)
+        payload = jnp.broadcast_to(jnp.concatenate([header, buffer.reshape(-1)]), (d, 4 + buffer.size))
     return cache, state, LoopOutput(jnp.full((d,), j, jnp.int32), alive, counts, payload)
 
 
 class PackedLayout(NamedTuple):
     """How a decode loop packs one iteration's sampler outputs into int32 rows ``[D, S, width]``: the token, its
     rank, the row's alive flag, the logprob's float32 bits, then ``n`` alternatives' ids and logprob bits, then
-    (with ``sum_smaller``) the token's and the alternatives' CDF bits. A payload is ``(first, count, last)``
-    followed by the call's whole ``[loop_steps, D, S, width]`` buffer."""
+    (with ``sum_smaller``) the token's and the alternatives' CDF bits. A payload is ``(call, first, count,
+    last)`` followed by the call's whole ``[loop_steps, D, S, width]`` buffer."""
 
     d: int
     s: int
@@ -196,13 +208,16 @@ class PackedLayout(NamedTuple):
             bits(out.top_logprobs).reshape(self.d, self.s, self.n),
         ]
         if self.sum_smaller:
-            parts += [bits(out.sum_smaller)[..., None], bits(out.top_sum_smaller).reshape(self.d, self.s, self.n)]
+            parts += [
+                bits(out.sum_smaller)[..., None],
+                bits(out.top_sum_smaller).reshape(self.d, self.s, self.n),
+            ]
         return jnp.concatenate(parts, axis=-1)
 
-    def unpack(self, payload: np.ndarray) -> tuple[int, int, bool, dict[str, np.ndarray], np.ndarray]:
-        """``(first, count, last, fields [count, D, S, ...], alive [count, D, S])`` of a payload (numpy)."""
-        first, count, last = (int(x) for x in payload[:3])
-        rows = payload[3:].reshape(-1, self.d, self.s, self.width)[first : first + count]
+    def unpack(self, payload: np.ndarray) -> tuple[int, int, int, bool, dict[str, np.ndarray], np.ndarray]:
+        """``(call, first, count, last, fields [count, D, S, ...], alive [count, D, S])`` of a payload (numpy)."""
+        call, first, count, last = (int(x) for x in payload[:4])
+        rows = payload[4:].reshape(-1, self.d, self.s, self.width)[first : first + count]
         n = self.n
 
         def floats(a: np.ndarray) -> np.ndarray:
@@ -218,17 +233,18 @@ class PackedLayout(NamedTuple):
         if self.sum_smaller:
             fields["sum_smaller"] = floats(rows[..., 4 + 2 * n])
             fields["top_sum_smaller"] = floats(rows[..., 5 + 2 * n : 5 + 3 * n])
-        return first, count, bool(last), fields, rows[..., 2].astype(np.bool_)
+        return call, first, count, bool(last), fields, rows[..., 2].astype(np.bool_)
 
 
 class LoopItem(NamedTuple):
     """One iteration's outputs on the host: its index, the sampler fields (numpy ``[D, S, ...]``), the rows that
-    sampled in it and whether it was the call's last."""
+    sampled in it, whether it was the call's last, and the call's number."""
 
     iteration: int
     fields: dict[str, np.ndarray]
     alive: np.ndarray
     last: bool
+    call: int = 0
 
 
 class LoopChannel:
@@ -243,11 +259,12 @@ class LoopChannel:
         per iteration (nothing else, so the device is not held up long)."""
 
         def emit(payload: Any) -> None:
-            first, count, last, fields, alive = layout.unpack(np.asarray(payload))
+            call, first, count, last, fields, alive = layout.unpack(np.asarray(payload))
             for i in range(count):
-                self._queue.put(
-                    LoopItem(first + i, {k: v[i] for k, v in fields.items()}, alive[i], last and i == count - 1)
+                item = LoopItem(
+                    first + i, {k: v[i] for k, v in fields.items()}, alive[i], last and i == count - 1, call
                 )
+                self._queue.put(item)
 
         return emit
 
@@ -270,8 +287,11 @@ class LoopStep:
     """A dispatched decode-loop call (:meth:`StepExecutor.run <deepinfer_jax.engine.step.StepExecutor.run>` of a
     plan with ``inputs.loop``): its final :class:`LoopOutput` and the iterations its callbacks deliver."""
 
-    def __init__(self, plan: StepPlan, out: LoopOutput, channel: LoopChannel, layout: PackedLayout) -> None:
+    def __init__(
+        self, plan: StepPlan, out: LoopOutput, channel: LoopChannel, layout: PackedLayout, call: int
+    ) -> None:
         self.plan = plan
+        self.call = call
         self.out = out
         self._channel = channel
         self._layout = layout
@@ -294,7 +314,9 @@ class LoopStep:
             raise RuntimeError("LoopStep.items: this call's iterations were taken already")
         self._done = True
         if self.out.payload is not None:  # no callbacks: every iteration once the call is done
-            first, count, _, fields, alive = self._layout.unpack(np.asarray(jax.device_get(self.out.payload))[0])
+            _, first, count, _, fields, alive = self._layout.unpack(
+                np.asarray(jax.device_get(self.out.payload))[0]
+            )
             for i in range(count):
                 yield LoopItem(first + i, {k: v[i] for k, v in fields.items()}, alive[i], i == count - 1)
             return
@@ -311,9 +333,12 @@ class LoopStep:
                         )
                 else:
                     continue
-            if item.iteration != expected:
+            if item.call < self.call:
+                continue  # an earlier call the host gave up on (a failed run) delivered it late
+            if item.call != self.call or item.iteration != expected:
                 raise RuntimeError(
-                    f"decode loop: iteration {item.iteration} arrived where {expected} was expected (calls out of order)"
+                    f"decode loop: iteration {item.iteration} of call {item.call} arrived where iteration {expected} of "
+                    f"call {self.call} was expected (calls out of order)"
                 )
             yield item
             if item.last:

@@ -252,10 +252,13 @@ class LoopInputs(NamedTuple):
         (``max_tokens``, ``max_model_len``), its ``min_tokens`` masking and its next window snapshot bound it.
       stop_ids: int32 ``[D, S, W]`` the ids that end each row on the device (its EOS ids unless ``ignore_eos``,
         and its ``stop_token_ids``); ``-1`` = unused entry.
+      call: int32 ``[D]`` the executor's number of this call (it marks the call's host callbacks, so the host
+        can drop those of a call it gave up on); 0 until the executor runs the plan.
     """
 
     iterations: Any
     stop_ids: Any
+    call: Any
 
 
 class SpecInputs(NamedTuple):
@@ -760,7 +763,7 @@ def _loop_inputs(
     stop_ids = np.full((d, s, width), -1, np.int32)
     for (dev, i), ids in stops.items():
         stop_ids[dev, i, : len(ids)] = ids
-    return LoopInputs(iterations, stop_ids)
+    return LoopInputs(iterations, stop_ids, np.zeros((d,), np.int32))
 
 
 def fill_deferred_masks(plan: StepPlan) -> None:

@@ -53,6 +53,8 @@ class RunStats:
         not measured, or no token routed).
       prefix_queries, prefix_hits: prompt tokens looked up in the prefix cache at admission and those found
         cached (docs/prefix_cache.md); snapshots, snapshot_restores: window-state snapshots written and restored.
+      loop_steps, loop_iterations: decode-loop calls (``scheduler.num_decode_steps > 1``; each counts as one of
+        ``steps``) and the decode iterations they ran.
     """
 
     steps: int = 0
@@ -76,6 +78,8 @@ class RunStats:
     prefix_hits: int = 0
     snapshots: int = 0
     snapshot_restores: int = 0
+    loop_steps: int = 0
+    loop_iterations: int = 0
 
     @property
     def prefix_hit_rate(self) -> float | None:
@@ -133,6 +137,11 @@ class RunStats:
                 f", speculative: {self.verified_per_step:.2f} drafts verified per decode row, mean accepted length "
                 f"{self.mean_accepted_length:.2f}, acceptance per position {rates}, confidence error "
                 f"{self.confidence_error:.3f}"
+            )
+        if self.loop_steps:
+            line += (
+                f", decode loop: {self.loop_steps} calls of {self.loop_iterations / self.loop_steps:.1f} "
+                "iterations on average"
             )
         if self.prefix_queries:
             line += (
@@ -277,6 +286,10 @@ class EngineRunner:
         self._last_done = 0.0
         # During run: where a decode loop's iterations deliver their outputs before the call's last one.
         self._early: Callable[[list[RequestOutput]], None] | None = None
+        self.loop_steps = 0
+        """Decode-loop calls processed so far."""
+        self.loop_iterations = 0
+        """Decode iterations those calls ran."""
 
     def _dispatch(self, plan: StepPlan) -> InFlight:
         start = time.perf_counter()
@@ -297,7 +310,9 @@ class EngineRunner:
         runs the next ones); what finishes before the last iteration is delivered at once (``_early``)."""
         loop = step.out
         outputs: list[RequestOutput] = []
+        self.loop_steps += 1
         for item in loop.items():
+            self.loop_iterations += 1
             f = item.fields
             got = self.scheduler.process_outputs(
                 plan,
@@ -433,6 +448,7 @@ class EngineRunner:
         placeholders = self.placeholder_plans
         spec_before = self.spec_counters()
         prefix_before = self._prefix_counters()
+        loops_before = (self.loop_steps, self.loop_iterations)
         balancer = self.balancer
         peak, mean = (balancer.total_peak, balancer.total_mean) if balancer is not None else (0.0, 0.0)
         replaced = balancer.rearrangements if balancer is not None else 0
@@ -498,6 +514,8 @@ class EngineRunner:
         stats.compile_cache_hits = self.executor.compile_cache_hits - cache_hits
         stats.placeholder_plans = self.placeholder_plans - placeholders
         self.spec_counters().since(spec_before).record(stats)
+        stats.loop_steps = self.loop_steps - loops_before[0]
+        stats.loop_iterations = self.loop_iterations - loops_before[1]
         now = self._prefix_counters()
         (stats.prefix_queries, stats.prefix_hits, stats.snapshots, stats.snapshot_restores) = (
             a - b for a, b in zip(now, prefix_before, strict=True)

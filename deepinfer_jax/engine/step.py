@@ -686,6 +686,7 @@ class StepExecutor:
         from deepinfer_jax.engine.decode_loop import LoopChannel
 
         self._loop_channel = LoopChannel()
+        self._loop_calls = 0
         self.cache = self._stacked(lambda: model.init_cache(num_blocks, num_slots))
         self.state = self._stacked(lambda: init_state(num_slots, self.vocab_size, self.num_draft_tokens))
         # Prefix caching's host tier: every device's blocks / slots gathered or written at once (vmap over D).
@@ -848,10 +849,14 @@ class StepExecutor:
                 raise ValueError("plan: a decode-loop step cannot have deferred grammar masks")
             from deepinfer_jax.engine.decode_loop import LoopStep, PackedLayout
 
+            self._loop_calls += (
+                1  # numbers the call's host callbacks (LoopStep drops a failed call's late ones)
+            )
+            plan.inputs.loop.call[:] = self._loop_calls
             self.cache, self.state, out = self._call(plan, "loop")
             sum_smaller = self._static["sampler"].sum_smaller
             layout = PackedLayout(self.num_devices, plan.padded_seqs, plan.num_logprobs, bool(sum_smaller))
-            return LoopStep(plan, out, self._loop_channel, layout)
+            return LoopStep(plan, out, self._loop_channel, layout, self._loop_calls)
         if plan.deferred_masks:
             self.cache, self.state, carry = self._call(plan, "forward")
             self._split = SplitStep(plan, carry)

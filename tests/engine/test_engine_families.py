@@ -295,14 +295,21 @@ def _loop_outputs(name: str, mesh: tuple[int, int], interval: int):
     ref[3] = _llm(name, mesh).generate(
         prompt_token_ids=[prompts[3]], sampling_params=params[3], use_tqdm=False
     )[0]
-    got = _loop_llm(name, mesh, interval).generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    got = _loop_llm(name, mesh, interval).generate(
+        prompt_token_ids=prompts, sampling_params=params, use_tqdm=False
+    )
     return prompts, params, ref, got
 
 
 @pytest.mark.parametrize(
     "name,mesh,interval",
     [("tiny-v3", (1, 1), 3), ("tiny-v3", (1, 1), 0), ("tiny-v3", (2, 4), 1), ("tiny-v4", (1, 1), 1)],
-    ids=["tiny-v3-one-device-every-3", "tiny-v3-one-device-at-the-end", "tiny-v3-dp2-ep4", "tiny-v4-one-device"],
+    ids=[
+        "tiny-v3-one-device-every-3",
+        "tiny-v3-one-device-at-the-end",
+        "tiny-v3-dp2-ep4",
+        "tiny-v4-one-device",
+    ],
 )
 def test_decode_loop_gives_the_one_token_outputs(name, mesh, interval):
     """``scheduler.num_decode_steps = 4``: the same tokens (greedy, seeded with penalties, a stop id under

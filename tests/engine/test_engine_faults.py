@@ -193,3 +193,30 @@ def test_bad_values_are_refused_before_anything_is_queued():
         )
     _assert_empty(llm)
     assert _run(llm) == reference
+
+
+@pytest.mark.parametrize("interval", [1, 0], ids=["streamed", "at-the-end"])
+def test_a_failure_inside_a_decode_loop_never_poisons_the_engine(interval):
+    """``scheduler.num_decode_steps = 4``: the host fails while it processes an iteration of a decode loop, with
+    the loop's later iterations (and the next call) still running on the device and delivering their callbacks.
+    The run's requests end, everything is freed, the late callbacks of the abandoned calls are dropped, and the
+    next run gives the one-token engine's tokens."""
+    _, reference = _engines()
+    llm = LLM(
+        "tiny-v3", **SMALL, **{"scheduler.num_decode_steps": 4, "scheduler.decode_stream_interval": interval}
+    )
+    assert _run(llm) == reference and llm.last_stats.loop_steps > 0
+
+    def make(original):
+        def process(plan, tokens, **kwargs):
+            if kwargs.get("iteration", 0) == 2:
+                raise Injected("host failure inside a decode loop")
+            return original(plan, tokens, **kwargs)
+
+        return process
+
+    with _patched(llm.scheduler, "process_outputs", make), pytest.raises(Injected):
+        _run(llm)
+    _assert_empty(llm)
+    assert _run(llm) == reference
+    _assert_empty(llm)
