@@ -13,6 +13,7 @@ from one_device import OneDevice  # tests/engine/one_device.py
 from deepinfer_jax.engine.params import SamplingParams
 from deepinfer_jax.engine.plan import PENDING_TOKEN
 from deepinfer_jax.engine.scheduler import RequestStatus
+from deepinfer_jax.text import Tokenizer, build_synthetic_tokenizer
 
 EOS = 1
 
@@ -172,3 +173,42 @@ def test_a_device_stop_the_host_did_not_make_ends_the_request_with_an_error() ->
     assert by_id["a"].finish_reason == "error" and by_id["a"].token_ids == [20, 21, 22]
     assert not sched.has_unfinished_requests() and sched.blocks.num_free == sched.blocks.capacity
     assert all(r.status is RequestStatus.FINISHED for r in plan.requests)
+
+
+def test_requests_whose_masks_need_the_host_keep_one_token_steps() -> None:
+    """A multi-token bad word (its mask depends on the previous token, so the row waits for it on the host) and
+    golden tokens (teacher forcing) keep every step of the engine plain while such a request runs; so would a
+    grammar (structured outputs). Once it is done, the others loop."""
+    tok = Tokenizer.from_str(build_synthetic_tokenizer(266), source="synthetic-266")
+    for extra in ({"bad_words": ["ab"]}, {"golden_token_ids": [40, 41, 42]}):
+        sched = make(tokenizer=tok, vocab_size=266)
+        sched.add_request("a", [20, 21], SamplingParams(max_tokens=9, ignore_eos=True), seed=0)
+        sched.add_request("b", [22, 23], SamplingParams(max_tokens=3, ignore_eos=True, **extra), seed=0)
+        b = sched.get_request("b")
+        feed(sched, [40, 40])
+        assert not sched.device.loop_ready()
+        plain = 0
+        while b.status is not RequestStatus.FINISHED:
+            plan = sched.schedule()
+            assert plan.plan.inputs.loop is None
+            sched.process_outputs(plan, np.full(plan.padded_seqs, 41, np.int32))
+            plain += 1
+        assert plain >= 2
+        assert sched.device.loop_ready() and sched.schedule().plan.inputs.loop is not None
+
+
+def test_a_stop_string_found_on_the_host_drops_the_later_iterations() -> None:
+    """The device knows stop ids, not stop strings: it keeps sampling after one, and the host ends the request
+    where the string completes and counts the rest of the call's samples as wasted."""
+    tok = Tokenizer.from_str(build_synthetic_tokenizer(266), source="synthetic-266")
+    sched = make(tokenizer=tok, vocab_size=266)
+    ids = [b + 10 for b in b"xabcd"]
+    sched.add_request("a", [20], SamplingParams(max_tokens=20, stop=["bc"]), seed=0)
+    feed(sched, [ids[0]])
+    plan = sched.schedule()
+    assert plan.plan.inputs.loop.iterations[0, 0] == 4
+    outs = [iteration(sched, plan, j, [ids[1 + j]], [True], j == 3) for j in range(4)]
+    assert [len(o) for o in outs] == [0, 0, 1, 0]  # "bc" completes with the third iteration's token
+    done = outs[2][0].outputs[0]
+    assert (done.text, done.stop_reason, done.token_ids) == ("xa", "bc", ids[:4])
+    assert sched.stats.num_wasted_samples == 1 and sched.num_in_flight == 0
