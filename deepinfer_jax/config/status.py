@@ -221,8 +221,9 @@ FIELDS: dict[str, Setting] = {
     "scheduler.min_bucket_fill": _honoured("cut prefill chunks to fill a smaller bucket below this fill"),
     "scheduler.num_decode_steps": _honoured(
         "up to this many decode iterations per device call while nothing waits and every running request decodes "
-        "plainly (no grammar, multi-token bad word or golden tokens); tokens stream to the host through an "
-        "io_callback; a speculative or multi-process engine warns and runs one token per step"
+        "plainly (no grammar, multi-token bad word or golden tokens); with drafts one iteration is one "
+        "speculative step; tokens stream to the host through an io_callback; a multi-process engine warns and "
+        "runs one token per step"
     ),
     "scheduler.decode_stream_interval": _honoured(
         "a decode loop hands its tokens to the host through a host callback every this many iterations (and after "

@@ -21,6 +21,12 @@ blocks for all of them allocated ahead). :func:`loop_step` runs it as one ``lax.
   the host finds ends the request; the tokens the device sampled after it are dropped. A callback has a fixed
   cost (about 0.5 ms on the 2-core CPU machine, docs/benchmarks.md), which the interval spreads.
 
+In a speculative engine an iteration is one speculative step (verify, accept, draft; ``engine/spec_step.py``):
+from iteration 1 on a row feeds its pending token and the pool's drafts at the plan's lower-bound positions and
+the device places it at its slot's ``next_pos``; it stops on a stop id among the tokens it emitted, and once its
+true length reaches its request's ``max_total_len`` (``LoopInputs.limits``). Iteration 0 always runs, so a call
+whose rows the tokens in flight completed still reports its one, last, iteration.
+
 The outputs equal those of one-token steps token for token: every iteration computes what the plain step
 computes for the same rows (same positions, counts, random streams), and a stopped row changes no other row.
 """
@@ -38,6 +44,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from deepinfer_jax.engine.plan import PENDING_TOKEN, StepInputs, StepPlan
+from deepinfer_jax.engine.spec_step import DRAFT_TOKEN
 
 __all__ = [
     "LoopChannel",
@@ -70,18 +77,32 @@ class LoopOutput(NamedTuple):
 def iteration_inputs(base: StepInputs, j: jax.Array, alive: jax.Array) -> StepInputs:
     """The inputs of iteration ``j`` of a decode-loop step (``base``: the plan's, iteration 0; module docstring).
 
-    ``alive [D, S]``: the rows still running. A decode-loop plan has one token per row (token ``t`` of row
-    ``token_seq[t]``); a stopped row becomes scratch: block table all block 0, slot 0, no sample."""
+    ``alive [D, S]``: the rows still running. A plain decode-loop plan has one token per row (token ``t`` of row
+    ``token_seq[t]``), advanced by one position per iteration. A speculative plan's row feeds its pending token
+    and its drafts (``1 + n`` tokens) at the host's lower-bound positions: from iteration 1 on every row is
+    ``shifted`` (the device places it at its slot's ``next_pos``), its first token is the pending ``-1`` and the
+    others the pool's drafts (``-2``). A stopped row becomes scratch: block table all block 0, slot 0, no
+    sample."""
     s = base.seq_slots.shape[1]
     row = base.token_seq
     real = row < s  # a stopped row's token still runs, on the scratch block and slot
     later = j > 0
-    token_ids = jnp.where(later, jnp.where(real, PENDING_TOKEN, 0), base.token_ids).astype(jnp.int32)
-    positions = jnp.where(real, base.positions + j, base.positions)
-    context_lens = jnp.where(base.seq_slots >= 0, base.context_lens + j, base.context_lens)
+    spec = base.spec
+    sampling = base.sampling
+    if spec is None:
+        token_ids = jnp.where(later, jnp.where(real, PENDING_TOKEN, 0), base.token_ids).astype(jnp.int32)
+        positions = jnp.where(real, base.positions + j, base.positions)
+        context_lens = jnp.where(base.seq_slots >= 0, base.context_lens + j, base.context_lens)
+        sampling = sampling._replace(position=sampling.position + j)
+    else:
+        first = jnp.take_along_axis(base.query_start, jnp.where(real, row, 0), axis=1)
+        t = jnp.arange(base.token_ids.shape[1], dtype=jnp.int32)[None]
+        marker = jnp.where(t == first, PENDING_TOKEN, DRAFT_TOKEN)
+        token_ids = jnp.where(later, jnp.where(real, marker, 0), base.token_ids).astype(jnp.int32)
+        positions, context_lens = base.positions, base.context_lens
+        spec = spec._replace(shifted=jnp.where(later, base.seq_slots >= 0, spec.shifted))
     seq_slots = jnp.where(alive | (base.seq_slots < 0), base.seq_slots, 0)
     block_tables = jnp.where(alive[..., None] | (base.seq_slots[..., None] < 0), base.block_tables, 0)
-    sampling = base.sampling._replace(position=base.sampling.position + j)
     copies = base.copies
     if copies is not None:
         copies = jax.tree.map(lambda a: jnp.where(later, -1, a), copies)
@@ -98,8 +119,15 @@ def iteration_inputs(base: StepInputs, j: jax.Array, alive: jax.Array) -> StepIn
         sampling=sampling,
         copies=copies,
         snapshots=snapshots,
+        spec=spec,
         loop=None,
     )
+
+
+def _next_pos(state: Any, seq_slots: jax.Array) -> jax.Array:
+    """``[D, S]`` the position of each row's pending token on the device (speculative state)."""
+    slots = jnp.clip(seq_slots, 0, state.next_pos.shape[1] - 1)
+    return jnp.take_along_axis(state.next_pos, slots, axis=1)
 
 
 def loop_step(
@@ -139,20 +167,37 @@ def loop_step(
     d, s = base.seq_slots.shape
     iterations = loop.iterations
     alive0 = base.sample & (iterations > 0) & (base.seq_slots >= 0)
+    k = 0
+    if base.spec is not None:
+        k = int(state.drafts.shape[-1])
+        # A row whose in-flight tokens completed it already (the host ends it when they arrive) runs as scratch.
+        alive0 = alive0 & (_next_pos(state, base.seq_slots) + 1 < loop.limits)
     counts0 = None if counts_width is None else jnp.zeros((d, counts_width), jnp.int32)
-    layout = PackedLayout(d, s, num_logprobs, sum_smaller)
+    layout = PackedLayout(d, s, num_logprobs, sum_smaller, k)
     emit = channel.emitter(layout) if stream_interval else None
     buffer0 = jnp.zeros((loop_steps, d, s, layout.width), jnp.int32)
 
     def cond(carry: Any) -> jax.Array:
+        # Iteration 0 always runs (and reports): a speculative call whose rows all finished with the tokens of
+        # the call before it runs them as scratch, and the host still gets the call's one, last, iteration.
         j, _, _, alive, *_ = carry
-        return (j < loop_steps) & jnp.any(alive)
+        return (j == 0) | ((j < loop_steps) & jnp.any(alive))
 
     def body(carry: Any) -> Any:
         j, cache, state, alive, counts, buffer = carry
         cache, state, out = step_fn(params, cache, state, iteration_inputs(base, j, alive))
         tokens = out.tokens
-        stopped = jnp.any((tokens[..., None] == loop.stop_ids) & (loop.stop_ids >= 0), axis=-1) | (tokens < 0)
+        if k:  # [D, S, K + 1]: the accepted drafts and the bonus token are emitted, in order
+            emitted = jnp.arange(k + 1, dtype=jnp.int32) <= out.num_accepted[..., None]
+            hit = jnp.any(
+                (tokens[..., None] == loop.stop_ids[:, :, None]) & (loop.stop_ids[:, :, None] >= 0), axis=-1
+            )
+            stopped = jnp.any(emitted & (hit | (tokens < 0)), axis=-1)
+            stopped = stopped | (_next_pos(state, base.seq_slots) + 1 >= loop.limits)
+        else:
+            stopped = jnp.any((tokens[..., None] == loop.stop_ids) & (loop.stop_ids >= 0), axis=-1) | (
+                tokens < 0
+            )
         after = alive & ~stopped & (j + 1 < iterations)
         last = (j + 1 >= loop_steps) | ~jnp.any(after)
         buffer = buffer.at[j].set(layout.pack(out, alive))
@@ -181,59 +226,67 @@ def loop_step(
 
 
 class PackedLayout(NamedTuple):
-    """How a decode loop packs one iteration's sampler outputs into int32 rows ``[D, S, width]``: the token, its
-    rank, the row's alive flag, the logprob's float32 bits, then ``n`` alternatives' ids and logprob bits, then
-    (with ``sum_smaller``) the token's and the alternatives' CDF bits. A payload is ``(call, first, count,
-    last)`` followed by the call's whole ``[loop_steps, D, S, width]`` buffer."""
+    """How a decode loop packs one iteration's sampler outputs into int32 rows ``[D, S, width]`` (float32 values
+    as their bits): the row's alive flag, then per emitted position (1, or ``K + 1`` in a speculative engine)
+    the token, its rank, its logprob, ``n`` alternatives' ids and logprobs and (with ``sum_smaller``) the
+    token's and the alternatives' CDFs; a speculative engine adds each row's accepted and verified draft
+    counts, its confidence error, its next drafts' confidences and the drafts. A payload is ``(call, first,
+    count, last)`` followed by the call's whole ``[loop_steps, D, S, width]`` buffer."""
 
     d: int
     s: int
     n: int
     sum_smaller: bool
+    k: int = 0
+
+    def fields(self) -> list[tuple[str, tuple[int, ...], bool]]:
+        """``(name, per-row shape, float)`` of every packed field, in order (the step's output names)."""
+        e = (self.k + 1,) if self.k else ()
+        out = [
+            ("tokens", e, False),
+            ("rank", e, False),
+            ("logprob", e, True),
+            ("top_ids", (*e, self.n), False),
+            ("top_logprobs", (*e, self.n), True),
+        ]
+        if self.sum_smaller:
+            out += [("sum_smaller", e, True), ("top_sum_smaller", (*e, self.n), True)]
+        if self.k:
+            out += [
+                ("num_accepted", (), False),
+                ("num_drafts", (), False),
+                ("confidence_error", (), True),
+                ("confidences", (self.k,), True),
+                ("drafts", (self.k,), False),
+            ]
+        return out
 
     @property
     def width(self) -> int:
-        return 4 + 2 * self.n + (1 + self.n if self.sum_smaller else 0)
+        return 1 + sum(int(np.prod(shape, dtype=np.int64)) for _, shape, _ in self.fields())
 
     def pack(self, out: Any, alive: jax.Array) -> jax.Array:
-        def bits(x: jax.Array) -> jax.Array:
-            return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-
-        parts = [
-            out.tokens.astype(jnp.int32)[..., None],
-            out.rank.astype(jnp.int32)[..., None],
-            alive.astype(jnp.int32)[..., None],
-            bits(out.logprob)[..., None],
-            out.top_ids.astype(jnp.int32).reshape(self.d, self.s, self.n),
-            bits(out.top_logprobs).reshape(self.d, self.s, self.n),
-        ]
-        if self.sum_smaller:
-            parts += [
-                bits(out.sum_smaller)[..., None],
-                bits(out.top_sum_smaller).reshape(self.d, self.s, self.n),
-            ]
+        parts = [alive.astype(jnp.int32).reshape(self.d, self.s, 1)]
+        for name, shape, is_float in self.fields():
+            x = getattr(out, name)
+            if is_float:
+                x = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+            size = int(np.prod(shape, dtype=np.int64))
+            parts.append(x.astype(jnp.int32).reshape(self.d, self.s, size))
         return jnp.concatenate(parts, axis=-1)
 
     def unpack(self, payload: np.ndarray) -> tuple[int, int, int, bool, dict[str, np.ndarray], np.ndarray]:
         """``(call, first, count, last, fields [count, D, S, ...], alive [count, D, S])`` of a payload (numpy)."""
         call, first, count, last = (int(x) for x in payload[:4])
         rows = payload[4:].reshape(-1, self.d, self.s, self.width)[first : first + count]
-        n = self.n
-
-        def floats(a: np.ndarray) -> np.ndarray:
-            return np.ascontiguousarray(a).view(np.float32)
-
-        fields = {
-            "tokens": rows[..., 0].copy(),
-            "rank": rows[..., 1].copy(),
-            "logprob": floats(rows[..., 3]),
-            "top_ids": rows[..., 4 : 4 + n].copy(),
-            "top_logprobs": floats(rows[..., 4 + n : 4 + 2 * n]),
-        }
-        if self.sum_smaller:
-            fields["sum_smaller"] = floats(rows[..., 4 + 2 * n])
-            fields["top_sum_smaller"] = floats(rows[..., 5 + 2 * n : 5 + 3 * n])
-        return call, first, count, bool(last), fields, rows[..., 2].astype(np.bool_)
+        fields = {}
+        offset = 1
+        for name, shape, is_float in self.fields():
+            size = int(np.prod(shape, dtype=np.int64))
+            a = np.ascontiguousarray(rows[..., offset : offset + size]).reshape(*rows.shape[:3], *shape)
+            fields[name] = a.view(np.float32) if is_float else a
+            offset += size
+        return call, first, count, bool(last), fields, rows[..., 0].astype(np.bool_)
 
 
 class LoopItem(NamedTuple):

@@ -748,15 +748,7 @@ class LLM:
                 cache_limit_bytes=sampling.grammar_cache_limit_bytes,
             )
         num_decode_steps = config.scheduler.num_decode_steps
-        if num_decode_steps > 1 and self.num_draft_tokens:
-            logging.warning(
-                "scheduler.num_decode_steps = %d: the decode loop does not run speculative steps yet (this engine "
-                "drafts %d tokens per step); it runs one step per call",
-                num_decode_steps,
-                self.num_draft_tokens,
-            )
-            num_decode_steps = 1
-        elif num_decode_steps > 1 and distributed.is_multi_process(config.parallel):
+        if num_decode_steps > 1 and distributed.is_multi_process(config.parallel):
             logging.warning(
                 "scheduler.num_decode_steps = %d: the decode loop's host callbacks are not built for a mesh over "
                 "several processes; it runs one step per call",

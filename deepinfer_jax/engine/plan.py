@@ -252,12 +252,16 @@ class LoopInputs(NamedTuple):
         (``max_tokens``, ``max_model_len``), its ``min_tokens`` masking and its next window snapshot bound it.
       stop_ids: int32 ``[D, S, W]`` the ids that end each row on the device (its EOS ids unless ``ignore_eos``,
         and its ``stop_token_ids``); ``-1`` = unused entry.
+      limits: int32 ``[D, S]`` the length at which each row's request ends (``max_tokens``, ``max_model_len``;
+        0 for padding rows). A speculative row emits a varying number of tokens per iteration: the device stops
+        it once its sequence (``next_pos + 1``, the device's own count) reaches the limit, as the host does.
       call: int32 ``[D]`` the executor's number of this call (it marks the call's host callbacks, so the host
         can drop those of a call it gave up on); 0 until the executor runs the plan.
     """
 
     iterations: Any
     stop_ids: Any
+    limits: Any
     call: Any
 
 
@@ -744,6 +748,7 @@ def _loop_inputs(
     """The :class:`LoopInputs` of a decode-loop plan: each row's iterations and the ids that end it on the
     device (the stops the host's checks would end it at: EOS unless ``ignore_eos``, then ``stop_token_ids``)."""
     iterations = np.zeros((d, s), np.int32)
+    limits = np.zeros((d, s), np.int32)
     stops: dict[tuple[int, int], list[int]] = {}
     for dev, batch in enumerate(batches):
         for i, row in enumerate(() if batch is None else batch.rows):
@@ -751,9 +756,10 @@ def _loop_inputs(
                 raise ValueError(
                     f"build_plan: a row of {row.iterations} decode iterations in a loop of loop_steps = {loop_steps}"
                 )
-            if not (row.decode and row.sample and not row.num_drafts) and row.iterations > 1:
-                raise ValueError("build_plan: only a plain decode row may run several decode iterations")
+            if not (row.decode and row.sample) and row.iterations > 1:
+                raise ValueError("build_plan: only a decode row may run several decode iterations")
             iterations[dev, i] = row.iterations if row.sample else 0
+            limits[dev, i] = row.request.max_total_len if row.sample else 0
             p = row.request.params
             ids = [] if p.ignore_eos else sorted(int(t) for t in eos_token_ids)
             ids += [int(t) for t in p.stop_token_ids or () if int(t) not in ids]
@@ -763,7 +769,7 @@ def _loop_inputs(
     stop_ids = np.full((d, s, width), -1, np.int32)
     for (dev, i), ids in stops.items():
         stop_ids[dev, i, : len(ids)] = ids
-    return LoopInputs(iterations, stop_ids, np.zeros((d,), np.int32))
+    return LoopInputs(iterations, stop_ids, limits, np.zeros((d,), np.int32))
 
 
 def fill_deferred_masks(plan: StepPlan) -> None:

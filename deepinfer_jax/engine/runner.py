@@ -326,6 +326,11 @@ class EngineRunner:
                 top_logprobs=f.get("top_logprobs"),
                 sum_smaller=f.get("sum_smaller"),
                 top_sum_smaller=f.get("top_sum_smaller"),
+                num_accepted=f.get("num_accepted"),
+                confidences=f.get("confidences"),
+                confidence_error=f.get("confidence_error"),
+                drafts=f.get("drafts"),
+                num_drafts=f.get("num_drafts"),
             )
             if item.last or self._early is None:
                 outputs.extend(got)

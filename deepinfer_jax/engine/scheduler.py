@@ -504,11 +504,6 @@ class DeviceScheduler:
         mode they must not depend on the batch (LLM sets it with ``ops.batch_invariant``)."""
         self.num_draft_tokens = _positive("num_draft_tokens", num_draft_tokens, 0)
         self.num_decode_steps = _positive("num_decode_steps", num_decode_steps)
-        if self.num_decode_steps > 1 and self.num_draft_tokens:
-            raise ValueError(
-                f"Scheduler num_decode_steps = {self.num_decode_steps} with num_draft_tokens = "
-                f"{self.num_draft_tokens}: the decode loop does not run speculative steps yet"
-            )
         # Positions a speculative request may write past its known tokens: the drafts of a row in flight, the
         # drafts of the next row, and the draft layer's extra positions (docs/speculative.md, "blocks").
         self.spec_margin = 3 * self.num_draft_tokens
@@ -1198,8 +1193,25 @@ class DeviceScheduler:
 
     def _tokens_held(self, req: Request, end: int, sample: bool) -> int:
         """Positions ``req`` may have written once a row ending at host position ``end`` has run: its in-flight
-        drafts may put the row further, and a sampling row's draft layer writes past it."""
-        return end + req.spec_slack + self._draft_extra(sample)
+        drafts may put the row further, and a sampling row's draft layer writes past it. Never more than the
+        ``max_total_len - 1 + spec_margin`` positions admission sized the request for: a row's true length never
+        passes ``max_total_len + K`` (a decode loop stops a row on the device at ``max_total_len``; one step
+        emits at most ``K + 1`` tokens), and a step writes at most ``2K - 1`` positions past its row's pending
+        token."""
+        held = end + req.spec_slack + self._draft_extra(sample)
+        if self.num_draft_tokens:
+            held = min(held, req.max_total_len - 1 + self.spec_margin)
+        return held
+
+    def _slack(self, row: ScheduledRow) -> int:
+        """The most positions an iteration of ``row`` may put its request past the host's lower bound: its drafts,
+        or ``K`` for a row the device may split again (variable length gives it up to ``K``)."""
+        return self.num_draft_tokens if row.resplit else row.num_drafts
+
+    def _advance(self, num_drafts: int) -> int:
+        """The most positions a decode-loop row moves per iteration: one, or ``K + 1`` with drafts (the device's
+        re-split under variable length may give a row up to ``K``)."""
+        return 1 + self.num_draft_tokens if num_drafts else 1
 
     def _speculates(self, req: Request) -> bool:
         """Whether ``req``'s decode rows verify drafts. A constrained request does once its previous tokens (and
@@ -1349,15 +1361,16 @@ class DeviceScheduler:
             and req.feed_len - req.num_computed == 1
         )
 
-    def _loop_iterations(self, req: Request, start: int, loop_steps: int) -> int:
+    def _loop_iterations(self, req: Request, start: int, loop_steps: int, speculates: bool = False) -> int:
         """The decode iterations ``req``'s row at ``start`` may run in a loop of ``loop_steps``: at most its
         tokens left, no further than its ``min_tokens`` masking holds unchanged (the plan's masks are built once
-        for the call), and no window snapshot after the first iteration (those are planned for it alone)."""
+        for the call), and no window snapshot after the first iteration (those are planned for it alone; a
+        speculative row, which the device places itself, takes none)."""
         n = min(loop_steps, req.max_total_len - req.total_len)
         outputs = start + 1 - req.prompt_len  # outputs before the row's first sample
         if outputs < req.params.min_tokens:
             n = min(n, req.params.min_tokens - outputs)
-        if self.snapshots is not None:
+        if self.snapshots is not None and not speculates:
             bs = self.block_size
             boundary = ((start + 1) // bs + 1) * bs  # the first block boundary after the first iteration
             n = min(n, boundary - start - 1)
@@ -1396,15 +1409,15 @@ class DeviceScheduler:
                     continue  # its in-flight tokens complete it; stopping is certain
                 resume = sample and req.resume
                 decode = sample and q == 1 and start >= req.prompt_len and not resume
-                iterations = 1
-                if loop_steps > 1 and decode and self._loopable(req):
-                    iterations = self._loop_iterations(req, start, loop_steps)
                 nd = 0
                 if decode and speculates:
                     nd = min(self.num_draft_tokens, tokens_left - 1)
                     if self.whole_drafts and nd < min(self.num_draft_tokens, self.token_budget - 1):
                         continue  # the budget left would cut its drafts: it runs next step with all of them
-                need = self._tokens_held(req, start + q + nd + iterations - 1, sample)
+                iterations = 1
+                if loop_steps > 1 and decode and self._loopable(req):
+                    iterations = self._loop_iterations(req, start, loop_steps, speculates=nd > 0)
+                need = self._tokens_held(req, start + q + nd + (iterations - 1) * self._advance(nd), sample)
                 new_blocks += max(0, self.blocks.blocks_for(need) - len(req.block_ids))
                 forced: tuple[int, ...] = ()
                 pool: tuple[int, ...] = ()
@@ -1441,7 +1454,8 @@ class DeviceScheduler:
                 continue
             self._preempt(max(self._running, key=_priority))
         for row in rows:
-            need = self._tokens_held(row.request, row.start + row.length + row.iterations - 1, row.sample)
+            end = row.start + row.length + (row.iterations - 1) * self._advance(row.num_drafts)
+            need = self._tokens_held(row.request, end, row.sample)
             missing = self.blocks.blocks_for(need) - len(row.request.block_ids)
             if missing > 0:
                 row.request.block_ids.extend(self.blocks.allocate(missing))
@@ -1511,7 +1525,7 @@ class DeviceScheduler:
             # outputs arrive (process_outputs), so num_computed stays a lower bound while it is in flight.
             # A decode-loop row feeds one more token per iteration after its first.
             req.num_computed += row.length - row.num_drafts + row.iterations - 1
-            req.spec_slack += row.num_drafts
+            req.spec_slack += self._slack(row) * row.iterations
             if row.resume:
                 req.resume = False  # its token is known: the next row decodes it
                 req.resuming += 1
@@ -1658,7 +1672,8 @@ class DeviceScheduler:
                     self._cache_blocks(req)
                 continue
             if req.status is RequestStatus.FINISHED:
-                self.stats.num_wasted_samples += 1
+                if live is None or live[i]:  # a row the decode loop had stopped sampled nothing
+                    self.stats.num_wasted_samples += 1
                 continue
             if live is not None and not live[i]:
                 self._loop_mismatch(req, iteration, row.iterations - iteration)
@@ -1731,7 +1746,7 @@ class DeviceScheduler:
         checks in order; the tokens after a stop are dropped. ``verified``: the drafts the row verified on the
         device (default: the planned ``row.num_drafts``)."""
         nd = row.num_drafts if verified is None else verified
-        req.spec_slack -= row.num_drafts
+        req.spec_slack -= self._slack(row)
         accepted = min(max(accepted, 0), nd)
         if row.decode:  # every decode row of a speculative engine, also one left without drafts
             st = self.stats

@@ -855,7 +855,8 @@ class StepExecutor:
             plan.inputs.loop.call[:] = self._loop_calls
             self.cache, self.state, out = self._call(plan, "loop")
             sum_smaller = self._static["sampler"].sum_smaller
-            layout = PackedLayout(self.num_devices, plan.padded_seqs, plan.num_logprobs, bool(sum_smaller))
+            k = 0 if plan.inputs.spec is None else int(self._static.get("num_draft_tokens", 0))
+            layout = PackedLayout(self.num_devices, plan.padded_seqs, plan.num_logprobs, bool(sum_smaller), k)
             return LoopStep(plan, out, self._loop_channel, layout, self._loop_calls)
         if plan.deferred_masks:
             self.cache, self.state, carry = self._call(plan, "forward")
