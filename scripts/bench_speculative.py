@@ -1,14 +1,16 @@
 """Speculative decoding benchmark: tokens/s without drafts, with fixed-length drafts and with variable length.
 
 Usage: python scripts/bench_speculative.py [--model shakespeare-v3] [--concurrency 1,4,16,64] [--k 1,3]
-       [--output_len 64] [--pairs 3] [--json out.json]
+       [--output_len 64] [--pairs 3] [--num_decode_steps 1] [--decode_stream_interval 0] [--json out.json]
 
 For each concurrency ``c`` the same ``c`` prompts (text prompts of the model's tokenizer) are generated greedily
 with every engine variant, in the same process and with the same weights: ``off`` (``num_draft_tokens=0``),
 ``fixed-k`` for each ``k`` and ``varlen-k`` (``speculative_variable_length=True``, the largest ``k``). Every
 engine runs one unmeasured warm-up (compilation), then the variants alternate ``--pairs`` times; the table
 reports the median tokens/s of the runs and its ratio to ``off``, with the mean accepted length and the drafts
-verified per decode row. Greedy tokens of every variant are compared with ``off``.
+verified per decode row. Greedy tokens of every variant are compared with ``off``. ``--num_decode_steps N``
+builds every variant with the decode loop (``scheduler.num_decode_steps``; a speculative step is one iteration)
+and ``--decode_stream_interval`` sets how often it streams (0: tokens when a call is done).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def main() -> int:
     ap.add_argument("--k", default="1,3")
     ap.add_argument("--output_len", type=int, default=64)
     ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--num_decode_steps", type=int, default=1)
+    ap.add_argument("--decode_stream_interval", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -49,6 +53,12 @@ def main() -> int:
         [("off", 0, False)] + [(f"fixed-{k}", k, False) for k in ks] + [(f"varlen-{max(ks)}", max(ks), True)]
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    loop = {}
+    if args.num_decode_steps > 1:
+        loop = {
+            "scheduler.num_decode_steps": args.num_decode_steps,
+            "scheduler.decode_stream_interval": args.decode_stream_interval,
+        }
     results = []
     for c in (int(x) for x in args.concurrency.split(",")):
         prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(c)]
@@ -62,6 +72,7 @@ def main() -> int:
                 max_num_batched_tokens=64 + c * (1 + max(ks)),  # one budget for every variant
                 num_draft_tokens=k,
                 speculative_variable_length=varlen,
+                **loop,
             )
             llm.generate(prompts, params, use_tqdm=False)  # warm-up: compiles the buckets
             engines[name] = llm
@@ -95,6 +106,9 @@ def main() -> int:
                 "verified_per_step": st.verified_per_step,
                 "acceptance_rates": list(st.acceptance_rates),
                 "steps": st.steps,
+                "num_decode_steps": args.num_decode_steps,
+                "loop_calls": st.loop_steps,
+                "loop_iterations": st.loop_iterations,
                 "greedy_equal_to_off": tokens[name] == tokens["off"],
             }
             results.append(row)
