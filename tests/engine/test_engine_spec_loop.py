@@ -136,3 +136,30 @@ def test_decode_loop_variable_length_greedy():
     _same(ref, got, greedy)
     assert llm.scheduler.devices[0].stats.num_loop_steps > 0
     assert llm.last_stats.mean_accepted_length > 1.2
+
+
+def test_decode_loop_streams_each_speculative_iteration():
+    """AsyncLLM, DELTA: the loop engine streams an output per iteration of a call (callbacks every 2
+    iterations), each with the 1 to k + 1 tokens its step emitted; together they are the one-step engine's."""
+    import asyncio
+
+    from deepinfer_jax.engine.async_llm import AsyncLLM
+    from deepinfer_jax.engine.params import RequestOutputKind
+
+    params, ref = _cases()
+    llm = _llm(4)
+    calls = llm.scheduler.devices[0].stats.num_loop_steps
+    with AsyncLLM(llm) as engine:
+
+        async def main():
+            stream = engine.generate(
+                PROMPTS[0], params[0].replace(output_kind=RequestOutputKind.DELTA), "spec-loop-stream"
+            )
+            return [o async for o in stream]
+
+        outs = asyncio.run(main())
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    assert [t for chunk in tokens for t in chunk] == list(ref[0].outputs[0].token_ids)
+    assert llm.scheduler.devices[0].stats.num_loop_steps > calls
+    assert all(1 <= len(chunk) <= K + 1 for chunk in tokens)
+    assert len(outs) < len(ref[0].outputs[0].token_ids)  # accepted runs arrive together
