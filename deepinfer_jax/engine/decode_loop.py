@@ -186,18 +186,17 @@ def loop_step(
     def body(carry: Any) -> Any:
         j, cache, state, alive, counts, buffer = carry
         cache, state, out = step_fn(params, cache, state, iteration_inputs(base, j, alive))
-        tokens = out.tokens
-        if k:  # [D, S, K + 1]: the accepted drafts and the bonus token are emitted, in order
-            emitted = jnp.arange(k + 1, dtype=jnp.int32) <= out.num_accepted[..., None]
-            hit = jnp.any(
-                (tokens[..., None] == loop.stop_ids[:, :, None]) & (loop.stop_ids[:, :, None] >= 0), axis=-1
-            )
-            stopped = jnp.any(emitted & (hit | (tokens < 0)), axis=-1)
+        # [D, S, E]: a speculative row emits its accepted drafts and the bonus token, in order (E = K + 1); a
+        # plain row is a run of one (E = 1). A row stops on a stop id or an unusable logit (a token below 0)
+        # among its emitted tokens.
+        tokens = out.tokens if k else out.tokens[..., None]
+        emitted = jnp.arange(k + 1, dtype=jnp.int32) <= (out.num_accepted[..., None] if k else 0)
+        hit = jnp.any(
+            (tokens[..., None] == loop.stop_ids[:, :, None]) & (loop.stop_ids[:, :, None] >= 0), axis=-1
+        )
+        stopped = jnp.any(emitted & (hit | (tokens < 0)), axis=-1)
+        if k:  # the host knows a speculative row's length only as a lower bound while the call runs
             stopped = stopped | (_next_pos(state, base.seq_slots) + 1 >= loop.limits)
-        else:
-            stopped = jnp.any((tokens[..., None] == loop.stop_ids) & (loop.stop_ids >= 0), axis=-1) | (
-                tokens < 0
-            )
         after = alive & ~stopped & (j + 1 < iterations)
         last = (j + 1 >= loop_steps) | ~jnp.any(after)
         buffer = buffer.at[j].set(layout.pack(out, alive))

@@ -1209,9 +1209,12 @@ class DeviceScheduler:
         return self.num_draft_tokens if row.resplit else row.num_drafts
 
     def _advance(self, num_drafts: int) -> int:
-        """The most positions a decode-loop row moves per iteration: one, or ``K + 1`` with drafts (the device's
-        re-split under variable length may give a row up to ``K``)."""
-        return 1 + self.num_draft_tokens if num_drafts else 1
+        """The most positions a decode-loop row moves per iteration: its pending token and its drafts (every
+        iteration feeds the same number), or ``K + 1`` under variable length, where the device's re-split may
+        give a row with drafts up to ``K``."""
+        if not num_drafts:
+            return 1
+        return 1 + (self.num_draft_tokens if self.verify_planner is not None else num_drafts)
 
     def _speculates(self, req: Request) -> bool:
         """Whether ``req``'s decode rows verify drafts. A constrained request does once its previous tokens (and
