@@ -23,6 +23,7 @@ given explicitly.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
@@ -30,7 +31,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from deepinfer_jax.engine.grammar import fill_masks
-from deepinfer_jax.sampling.tensors import SamplingTensors
+from deepinfer_jax.sampling.tensors import CheckedRow, SamplingTensors, check_row
 
 __all__ = [
     "DRAFT_TOKEN",
@@ -515,6 +516,20 @@ class StepPlan:
                 raise ValueError(f"StepPlan device {d}: {err}") from None
 
 
+def _checked_row(req: Any, p: Any, vocab_size: int, j: int) -> CheckedRow:
+    """``req``'s sampling parameters checked for the sampler (:func:`~deepinfer_jax.sampling.tensors.check_row`),
+    once per request: kept in its ``checked_sampling`` (when it has one) with the parameters object, seed and
+    vocabulary they were checked for. ``p``: the parameters the row samples with (``req.params``, or a copy
+    that differs only in fields the check does not read)."""
+    cached = getattr(req, "checked_sampling", None)
+    if cached is not None and cached[0] is req.params and cached[1] == req.seed and cached[2] == vocab_size:
+        return cached[3]
+    row = check_row(p, req.seed, vocab_size, j)
+    if hasattr(req, "checked_sampling"):
+        req.checked_sampling = (req.params, req.seed, vocab_size, row)
+    return row
+
+
 def _bad_word_completions(req: Any) -> list[int]:
     """The last token of every bad word whose other tokens end the output so far (vLLM's ``bad_words``): the
     ids the request's next sample must not be."""
@@ -581,6 +596,7 @@ def build_plan(
     realloc = np.zeros((d, s), np.bool_) if speculative and device_resplit else None
     replay_from = np.full((d, s), -1, np.int32) if replay_keep > 0 else None
     params, seeds, sample_pos, output_lens, row_index, extra = [], [], [], [], [], []
+    checked: list[CheckedRow] = []
     grammars: list[tuple[int, Any]] = []  # (row, the request's RequestGrammar) of sampled constrained rows
     resumed: list[tuple[int, int]] = []  # (row, the known token it emits) of resumed recomputes' last rows
     deferred: list[tuple[int, int, Any, int]] = []  # (device, row, request, drafts) of masks filled later
@@ -589,12 +605,16 @@ def build_plan(
         if batch is None:
             continue
         offset = 0
+        # The per-row columns are gathered as lists and written once per device (a row costs a few list
+        # appends, not a dozen numpy item writes).
+        n = len(batch.rows)
+        starts, lengths, slots, pending, tables = [], [], [], [], []
         for i, row in enumerate(batch.rows):
             req = row.request
             end = offset + row.length
             known = row.length - row.num_drafts
             if row.pending_input:
-                token_ids[dev, offset] = PENDING_TOKEN
+                pending.append(offset)
             else:
                 token_ids[dev, offset : offset + known] = req.tokens(row.start, row.start + known)
             if row.num_drafts:
@@ -609,15 +629,11 @@ def build_plan(
                 if not row.sample:
                     after = req.tokens(row.start + row.length, row.start + row.length + 1)
                     next_ids[dev, i] = int(after[0]) if len(after) else -1
-            pos = np.arange(row.start, row.start + row.length, dtype=np.int32)
-            positions[dev, offset:end] = pos
-            token_seq[dev, offset:end] = i
-            seq_slots[dev, i] = req.slot
-            query_start[dev, i] = offset
+            starts.append(row.start)
+            lengths.append(row.length)
+            slots.append(req.slot)
+            tables.append(req.block_ids)
             context = row.start + row.length
-            context_lens[dev, i] = context
-            block_tables[dev, i, : len(req.block_ids)] = req.block_ids
-            sample[dev, i] = row.sample
             if replay_from is not None and not row.decode and not row.num_drafts:
                 # L = the tokens the host knows (not the token this step samples, which total_len already
                 # counts): the same for every chunk of a prompt.
@@ -630,6 +646,7 @@ def build_plan(
                 p = p.replace(golden_token_ids=None)  # the test hook's golden tokens are drafts, not outputs
             params.append(p)
             seeds.append(req.seed)
+            checked.append(_checked_row(req, p, vocab_size, len(checked)))
             sample_pos.append(context)
             output_lens.append(max(context - prompt_len, 0))
             row_index.append(dev * s + i)
@@ -646,6 +663,7 @@ def build_plan(
                     grammars.append((dev * s + i, grammar))
             wanted = max(wanted, p.logprobs or 0)
             if p.prompt_logprobs is not None:
+                pos = np.arange(row.start, row.start + row.length, dtype=np.int32)
                 inside = pos + 1 < prompt_len
                 if inside.any():
                     if targets is None:
@@ -654,7 +672,25 @@ def build_plan(
                     targets[dev, offset:end] = np.where(inside, nxt, -1)
                     prompt_wanted = max(prompt_wanted, p.prompt_logprobs)
             offset = end
-        query_start[dev, len(batch.rows) :] = offset
+        if pending:
+            token_ids[dev, pending] = PENDING_TOKEN
+        length_a = np.asarray(lengths, np.int32)
+        start_a = np.asarray(starts, np.int32)
+        first = np.zeros(n, np.int32)
+        np.cumsum(length_a[:-1], out=first[1:])
+        # Row i's tokens lie at [first[i], first[i] + length[i]) and sit at positions start[i] + 0, 1, ...
+        token_seq[dev, :offset] = np.repeat(np.arange(n, dtype=np.int32), length_a)
+        positions[dev, :offset] = np.arange(offset, dtype=np.int32) + np.repeat(start_a - first, length_a)
+        seq_slots[dev, :n] = slots
+        query_start[dev, :n] = first
+        query_start[dev, n:] = offset
+        context_lens[dev, :n] = start_a + length_a
+        sample[dev, :n] = [row.sample for row in batch.rows]
+        widths = np.fromiter(map(len, tables), np.int64, n)
+        filled = np.arange(max_blocks_per_seq) < widths[:, None]
+        block_tables[dev, :n][filled] = np.fromiter(
+            itertools.chain.from_iterable(tables), np.int32, int(widths.sum())
+        )
     bitmask = None
     mask_start = time.perf_counter()
     if deferred or any(g.constrains() for _, g in grammars):
@@ -673,6 +709,7 @@ def build_plan(
         row_index=row_index,
         extra_masked_ids=extra,
         token_bitmask=bitmask,
+        checked_rows=checked,
     )
     for index, token in resumed:
         flat.golden[index] = token

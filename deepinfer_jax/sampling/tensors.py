@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["ROW_FIELDS", "SamplingTensors", "split_seed"]
+__all__ = ["ROW_FIELDS", "CheckedRow", "SamplingTensors", "check_row", "split_seed"]
 
 ROW_FIELDS: tuple[str, ...] = (
     "temperature",
@@ -136,6 +136,7 @@ class SamplingTensors(NamedTuple):
         row_index: Sequence[int] | None = None,
         extra_masked_ids: Sequence[Sequence[int]] | None = None,
         token_bitmask: np.ndarray | None = None,
+        checked_rows: Sequence[CheckedRow | None] | None = None,
     ) -> SamplingTensors:
         """Convert the parameters of the rows sampled in one step to padded numpy arrays.
 
@@ -155,6 +156,9 @@ class SamplingTensors(NamedTuple):
           extra_masked_ids: per entry of ``params_list``, more ids to mask in this step only (``bad_words``).
           token_bitmask: int32 ``[num_rows, ceil(V / 32)]`` grammar masks by row (not by entry), or ``None``
             for a step without a constrained row.
+          checked_rows: per entry of ``params_list``, its :func:`check_row` result for this ``vocab_size`` and
+            seed, kept by the caller from an earlier step (an engine checks a request's parameters once, not
+            once per step); ``None`` entries (or ``None``) are checked here.
 
         Raises:
           TypeError / ValueError: a malformed argument, or a parameter outside its range; the message names the
@@ -168,6 +172,10 @@ class SamplingTensors(NamedTuple):
         seeds = list(seeds)
         if len(seeds) != n:
             raise ValueError(f"SamplingTensors.build: seeds has {len(seeds)} entries for {n} rows")
+        if checked_rows is not None and len(checked_rows) != n:
+            raise ValueError(
+                f"SamplingTensors.build: checked_rows has {len(checked_rows)} entries for {n} rows"
+            )
         pos = _int_column("positions", positions, n, lo=0, hi=_MAX_POSITION)
         outs = (
             np.zeros(n, np.int64) if output_lens is None else _int_column("output_lens", output_lens, n, lo=0)
@@ -178,52 +186,61 @@ class SamplingTensors(NamedTuple):
             where = np.arange(n)
         else:
             where = _int_column("row_index", row_index, n, lo=0, hi=max(rows - 1, 0))
-            if len(np.unique(where)) != n:
+            if n and np.bincount(where, minlength=rows).max() > 1:
                 raise ValueError("SamplingTensors.build: row_index repeats a row")
 
         out = _neutral(rows, vocab)
         masks: list[list[int]] = []
         # Rows sharing one parameters object (a batch generated with one SamplingParams) are checked once.
-        checked: dict[int, tuple[Any, ...]] = {}
+        checked: dict[tuple[int, int], CheckedRow] = {}
+        found: list[CheckedRow] = []
         biases: list[tuple[int, list[int], list[float]]] = []
         allows: list[tuple[int, list[int]]] = []
+        out_list = outs.tolist()
         for j, p in enumerate(params_list):
-            i = int(where[j])
-            field = f"params_list[{j}]"
-            row = checked.get(id(p))
+            row = None if checked_rows is None else checked_rows[j]
             if row is None:
-                row = checked[id(p)] = _check_row(p, j, vocab)
-            temp, top_p, top_k, min_p, rep, pres, freq, min_tokens, stops, bias, allowed = row
-            out["temperature"][i] = temp
-            out["top_p"][i] = top_p
-            out["top_k"][i] = top_k
-            out["min_p"][i] = min_p
-            out["repetition_penalty"][i] = rep
-            out["presence_penalty"][i] = pres
-            out["frequency_penalty"][i] = freq
-            try:
-                out["seed"][i] = split_seed(seeds[j])
-            except (TypeError, ValueError) as err:
-                raise type(err)(f"SamplingTensors.build: seeds[{j}]: {err}") from None
-            out["position"][i] = pos[j]
-            row_mask = set(banned)
-            if outs[j] < min_tokens:
-                row_mask.update(stops)
-                if not p.ignore_eos:
+                seed = seeds[j]
+                plain = isinstance(seed, int | np.integer) and not isinstance(seed, bool)
+                key = (id(p), int(seed) if plain else id(seed))
+                row = checked.get(key)
+                if row is None:
+                    row = checked[key] = check_row(p, seeds[j], vocab, j)
+            found.append(row)
+            done = out_list[j]
+            if (
+                banned
+                or done < row.min_tokens
+                or done < row.no_eos_until
+                or (extra_masked_ids and extra_masked_ids[j])
+            ):
+                row_mask = set(banned)
+                if done < row.min_tokens:
+                    row_mask.update(row.stops)
+                    if not p.ignore_eos:
+                        row_mask.update(eos)
+                if done < row.no_eos_until:
                     row_mask.update(eos)
-            if outs[j] < getattr(p, "first_n_token_no_eos", 0):
-                row_mask.update(eos)
-            if extra_masked_ids is not None and extra_masked_ids[j]:
-                row_mask.update(_id_list(f"{field}.bad_words", extra_masked_ids[j], vocab))
-            masks.append(sorted(row_mask))
-            if bias is not None:
-                biases.append((i, *bias))
-            if allowed is not None:
-                allows.append((i, allowed))
+                if extra_masked_ids is not None and extra_masked_ids[j]:
+                    row_mask.update(_id_list(f"params_list[{j}].bad_words", extra_masked_ids[j], vocab))
+                masks.append(sorted(row_mask))
+            else:
+                masks.append([])
+            i = int(where[j])
+            if row.bias is not None:
+                biases.append((i, *row.bias))
+            if row.allowed is not None:
+                allows.append((i, row.allowed))
             golden = getattr(p, "golden_token_ids", None)
-            if golden is not None and outs[j] < len(golden):
-                token = _id_list(f"params_list[{j}].golden_token_ids", (golden[outs[j]],), vocab)[0]
+            if golden is not None and done < len(golden):
+                token = _id_list(f"params_list[{j}].golden_token_ids", (golden[done],), vocab)[0]
                 out["golden"][i] = token
+        if n:
+            values = np.array([r.values for r in found], np.float64)  # [n, 7]
+            for c, name in enumerate(_VALUE_FIELDS):
+                out[name][where] = values[:, c]
+            out["seed"][where] = np.array([r.seed for r in found], np.uint32)
+            out["position"][where] = pos
 
         needed = max((len(m) for m in masks), default=0)
         if mask_width is None:
@@ -237,7 +254,8 @@ class SamplingTensors(NamedTuple):
                 )
         masked = np.full((rows, width), -1, np.int32)
         for j, m in enumerate(masks):
-            masked[where[j], : len(m)] = m
+            if m:
+                masked[where[j], : len(m)] = m
         kb = _width(max((len(b[1]) for b in biases), default=0))
         bias_ids = np.full((rows, kb), -1, np.int32)
         bias_values = np.zeros((rows, kb), np.float32)
@@ -273,9 +291,31 @@ def _width(needed: int) -> int:
     return 0 if needed == 0 else 1 << (needed - 1).bit_length()
 
 
-def _check_row(p: Any, j: int, vocab: int) -> tuple[Any, ...]:
-    """Row ``j``'s checked parameters: the device values of its fields, ``min_tokens``, its stop ids, and its
-    ``logit_bias`` (ids, values) and ``allowed_token_ids`` (``None`` when unset)."""
+class CheckedRow(NamedTuple):
+    """One request's sampling parameters, checked and converted for one vocabulary and seed (:func:`check_row`).
+
+    Attributes:
+      values: the device values of :data:`_VALUE_FIELDS`, in order (top-k off as the vocabulary size).
+      seed: the seed's ``(lo, hi)`` uint32 words.
+      min_tokens: tokens before EOS and the stop ids may be sampled.
+      no_eos_until: ``first_n_token_no_eos`` (0 when the object has none).
+      stops: the stop ids.
+      bias: ``logit_bias`` as (ids, values), or ``None``.
+      allowed: ``allowed_token_ids``, or ``None``.
+    """
+
+    values: tuple[float, ...]
+    seed: tuple[int, int]
+    min_tokens: int
+    no_eos_until: int
+    stops: list[int]
+    bias: tuple[list[int], list[float]] | None
+    allowed: list[int] | None
+
+
+def check_row(p: Any, seed: int, vocab: int, j: int = 0) -> CheckedRow:
+    """The checked parameters of a row with parameters ``p`` and seed ``seed`` (``j``: its index, for the error
+    messages). Raises as :meth:`SamplingTensors.build` does."""
     missing = [f for f in ROW_FIELDS if not hasattr(p, f)]
     if missing:
         raise TypeError(
@@ -307,7 +347,25 @@ def _check_row(p: Any, j: int, vocab: int) -> tuple[Any, ...]:
     ids = getattr(p, "allowed_token_ids", None)
     allowed = _id_list(f"{field}.allowed_token_ids", ids, vocab) if ids else None
     k = vocab if k <= 0 else min(k, vocab)
-    return temp, top_p, k, min_p, rep, pres, freq, min_tokens, stops, bias, allowed
+    try:
+        words = split_seed(seed)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"SamplingTensors.build: seeds[{j}]: {err}") from None
+    no_eos = int(getattr(p, "first_n_token_no_eos", 0) or 0)
+    return CheckedRow(
+        (temp, top_p, k, min_p, rep, pres, freq), words, min_tokens, no_eos, stops, bias, allowed
+    )
+
+
+_VALUE_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 def _neutral(rows: int, vocab: int) -> dict[str, np.ndarray]:
