@@ -112,7 +112,13 @@ def format_report(report: dict[str, Any]) -> str:
             (
                 "per step",
                 f"{e['steps']:.0f} steps; host {e['host_ms_per_step']:.2f} ms, waiting on device "
-                f"{e['wait_ms_per_step']:.2f} ms",
+                f"{e['wait_ms_per_step']:.2f} ms"
+                + (
+                    f"; per decode iteration ({e['iterations']:.0f}): host {e['host_ms_per_iteration']:.2f} ms, "
+                    f"waiting {e['wait_ms_per_iteration']:.2f} ms"
+                    if "host_ms_per_iteration" in e and e.get("iterations", e["steps"]) != e["steps"]
+                    else ""
+                ),
             )
         )
     else:

@@ -51,12 +51,18 @@ class ModelNotSupportedError(RuntimeError):
 
 
 class StepTimer:
-    """Accumulates host and wait time of the runner's steps (see the module docstring)."""
+    """Accumulates host and wait time of the runner's steps (see the module docstring).
+
+    A decode-loop call (``scheduler.num_decode_steps > 1``) is one step of several decode iterations: the time
+    its host thread spends blocked for the next iteration's outputs (a host callback's payload, or the finished
+    call's) is wait, the rest host. ``iterations`` counts model steps (a one-token step is one, a loop call its
+    iterations), so ``*_ms_per_iteration`` compares the one-token and the loop engine per token step."""
 
     def __init__(self) -> None:
         self.host_s = 0.0
         self.wait_s = 0.0
         self.steps = 0
+        self.iterations = 0
         self.available = True
 
     @contextlib.contextmanager
@@ -69,6 +75,7 @@ class StepTimer:
             yield self
             return
         originals = {n: getattr(runner, n) for n in names}
+        loops = (getattr(runner, "loop_steps", 0), getattr(runner, "loop_iterations", 0))
 
         def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
             def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -84,12 +91,35 @@ class StepTimer:
             self.steps += 1
             return timed(originals["_dispatch"])(plan)
 
+        def waited(items: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+            # A decode loop's iterations: every wait for the next one is device time the host could not hide.
+            def wrapper(*args: Any, **kwargs: Any) -> Iterator[Any]:
+                it = items(*args, **kwargs)
+                while True:
+                    start = time.perf_counter()
+                    try:
+                        item = next(it)
+                    except StopIteration:
+                        return
+                    finally:
+                        blocked = time.perf_counter() - start
+                        self.wait_s += blocked
+                        self.host_s -= blocked  # inside the timed _process
+                    yield item
+
+            return wrapper
+
         def process(plan: Any, out: Any) -> Any:
-            start = time.perf_counter()
-            jax.block_until_ready(
-                out.tokens
-            )  # the original reads the tokens first anyway: no change of order
-            self.wait_s += time.perf_counter() - start
+            looped = getattr(getattr(plan, "inputs", None), "loop", None) is not None
+            payload = getattr(getattr(out, "out", None), "payload", None)
+            if looped and payload is None and callable(getattr(out, "items", None)):
+                out.items = waited(out.items)  # its iterations arrive through host callbacks
+            else:
+                start = time.perf_counter()
+                # The original reads the tokens (a loop without callbacks: its payload) first anyway: no change
+                # of order.
+                jax.block_until_ready(out.tokens if payload is None else payload)
+                self.wait_s += time.perf_counter() - start
             return timed(originals["_process"])(plan, out)
 
         runner._dispatch, runner._process = dispatch, process
@@ -100,6 +130,8 @@ class StepTimer:
         finally:
             del runner._dispatch, runner._process, runner._finish
             del scheduler.schedule
+            calls = getattr(runner, "loop_steps", 0) - loops[0]
+            self.iterations = self.steps - calls + getattr(runner, "loop_iterations", 0) - loops[1]
 
     def to_dict(self) -> dict[str, Any]:
         if not self.available:
@@ -108,11 +140,15 @@ class StepTimer:
                 "reason": "the engine runner exposes no schedule/dispatch/process calls",
             }
         n = max(self.steps, 1)
+        m = max(self.iterations, 1)
         return {
             "available": True,
             "steps": self.steps,
+            "iterations": self.iterations,
             "host_ms_per_step": 1e3 * self.host_s / n,
             "wait_ms_per_step": 1e3 * self.wait_s / n,
+            "host_ms_per_iteration": 1e3 * self.host_s / m,
+            "wait_ms_per_iteration": 1e3 * self.wait_s / m,
             "host_seconds": self.host_s,
             "wait_seconds": self.wait_s,
         }
@@ -567,8 +603,11 @@ def _engine_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         )
     timing = [r["step_timing"] for r in runs if r["step_timing"].get("available")]
     if timing:
-        out["host_ms_per_step"] = _median([t["host_ms_per_step"] for t in timing])
-        out["wait_ms_per_step"] = _median([t["wait_ms_per_step"] for t in timing])
+        for key in ("host_ms_per_step", "wait_ms_per_step", "host_ms_per_iteration", "wait_ms_per_iteration"):
+            values = [t[key] for t in timing if key in t]
+            if values:
+                out[key] = _median(values)
+        out["iterations"] = _median([t.get("iterations", t["steps"]) for t in timing])
     return out
 
 

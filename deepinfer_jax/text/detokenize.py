@@ -72,6 +72,7 @@ class IncrementalDetokenizer:
         if not isinstance(skip_special_tokens, bool | np.bool_):
             raise TypeError(f"skip_special_tokens must be a bool, got {type(skip_special_tokens).__name__}")
         self._tokenizer = tokenizer
+        self._vocab_size = tokenizer.vocab_size
         self._skip_special_tokens = bool(skip_special_tokens)
         self._skipped = tokenizer.special_ids if skip_special_tokens else frozenset()
         self._window: list[int] = []
@@ -93,6 +94,18 @@ class IncrementalDetokenizer:
         """Add ``ids`` (one id or an iterable of ids) and return the text that became final, possibly ``""``."""
         if self._finished:
             raise RuntimeError("push() after finish(): this detokenizer's sequence has ended")
+        if type(ids) is int and not self._window and 0 <= ids < self._vocab_size:
+            # The common case, one valid id after complete text: the window would hold it alone, so its text is
+            # the id's own decode (memoised by the tokenizer); the general path below gives the same result.
+            self._num_tokens += 1
+            if ids in self._skipped:
+                return ""
+            text = self._tokenizer.decode_one(ids, skip_special_tokens=self._skip_special_tokens)
+            if not text.endswith(REPLACEMENT_CHARACTER):
+                return text
+            self._window.append(ids)
+            self._emitted = len(text) - 1
+            return text[: self._emitted]
         if isinstance(ids, int | np.integer) and not isinstance(ids, bool):
             ids = [ids]
         # Indices in error messages count from the start of the stream, which is what a caller can act on.

@@ -40,6 +40,9 @@ __all__ = [
     "load_deepseek_v4_tokenizer",
 ]
 
+_DECODE_ONE_ENTRIES = 1 << 16
+"""Most ids :meth:`Tokenizer.decode_one` remembers per ``skip_special_tokens`` value (a few MiB of text)."""
+
 DEEPSEEK_BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 DEEPSEEK_EOS_TOKEN = "<｜end▁of▁sentence｜>"
 DEEPSEEK_PAD_TOKEN = "<｜▁pad▁｜>"
@@ -91,6 +94,8 @@ class Tokenizer:
         self._pad_id = self._require_token("pad_token", pad_token)
         self._is_synthetic = _carries_synthetic_marker(backend)
         self._is_byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+        # decode_one's memo, by skip_special_tokens: {id: text}, at most _DECODE_ONE_ENTRIES ids each.
+        self._decoded_one: tuple[dict[int, str], dict[int, str]] = ({}, {})
 
     def _require_token(self, field: str, spelling: str) -> int:
         if not isinstance(spelling, str):
@@ -295,6 +300,19 @@ class Tokenizer:
         """
         checked = self.validate_ids(ids)
         return self._backend.decode(checked, skip_special_tokens=skip_special_tokens)
+
+    def decode_one(self, token_id: int, *, skip_special_tokens: bool = False) -> str:
+        """``decode([token_id])`` for one valid id (a Python int in ``[0, vocab_size)``; the caller checks),
+        memoised: an incremental detokenizer decodes most tokens alone, once per generated token. The memo keeps
+        at most :data:`_DECODE_ONE_ENTRIES` ids per ``skip_special_tokens`` value; ids past that are decoded
+        every time."""
+        memo = self._decoded_one[bool(skip_special_tokens)]
+        text = memo.get(token_id)
+        if text is None:
+            text = self._backend.decode([token_id], skip_special_tokens=skip_special_tokens)
+            if len(memo) < _DECODE_ONE_ENTRIES:
+                memo[token_id] = text
+        return text
 
     def token_to_id(self, token: str) -> int | None:
         """The id of the vocabulary entry spelled ``token`` (byte-level spelling), or None."""

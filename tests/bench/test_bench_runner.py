@@ -165,3 +165,61 @@ def test_mesh_run_reports_the_expert_load():
     assert run["moe"]["moe_lb"] >= 1.0 and run["moe"]["eplb_rearrangements"] >= 1
     assert run["online"]["request_rate"] == 500.0 and run["online"]["request_throughput"] > 0
     assert run["step_timing"].get("available", True) is not False
+
+
+def test_step_timer_counts_a_decode_loops_waits_as_wait_and_its_iterations():
+    """A decode-loop call's host thread waits for each iteration's callback inside the runner's processing: that
+    time is wait, not host, and the call counts its iterations. A fake runner: one one-token step, then a loop
+    call of 3 iterations, each arriving after a 50 ms sleep (device time) and processed with 2 ms of host work."""
+    import time
+    from types import SimpleNamespace
+
+    from deepinfer_jax.bench.runner import StepTimer
+
+    def busy(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    class Ready:
+        def block_until_ready(self):
+            return self
+
+    class Loop:
+        out = SimpleNamespace(payload=None)
+        tokens = Ready()
+
+        def items(self):
+            for i in range(3):
+                time.sleep(0.05)
+                yield i
+
+    runner = SimpleNamespace(loop_steps=0, loop_iterations=0)
+
+    def process(plan, out):
+        if plan.inputs.loop is None:
+            busy(0.002)
+            return
+        runner.loop_steps += 1
+        for _ in out.items():
+            runner.loop_iterations += 1
+            busy(0.002)
+
+    runner._dispatch = lambda plan: None
+    runner._process = process
+    runner._finish = lambda plan, step: step
+    scheduler = SimpleNamespace(schedule=lambda: None)
+    llm = SimpleNamespace(runner=runner, scheduler=scheduler)
+    timer = StepTimer()
+    plain = SimpleNamespace(inputs=SimpleNamespace(loop=None))
+    looped = SimpleNamespace(inputs=SimpleNamespace(loop=object()))
+    with timer.attach(llm):
+        for plan, out in ((plain, SimpleNamespace(tokens=Ready())), (looped, Loop())):
+            runner._dispatch(plan)
+            runner._process(plan, out)
+    t = timer.to_dict()
+    assert t["steps"] == 2 and t["iterations"] == 4  # one one-token step + a loop call of three iterations
+    assert t["wait_seconds"] >= 3 * 0.05  # every sleep is wait ...
+    assert 4 * 0.002 <= t["host_seconds"] < 0.1  # ... and host is the busy work, not the sleeps
+    assert t["host_ms_per_iteration"] == pytest.approx(1e3 * t["host_seconds"] / 4)
+    assert t["wait_ms_per_step"] == pytest.approx(1e3 * t["wait_seconds"] / 2)
