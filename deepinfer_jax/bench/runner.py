@@ -111,14 +111,13 @@ class StepTimer:
 
         def process(plan: Any, out: Any) -> Any:
             looped = getattr(getattr(plan, "inputs", None), "loop", None) is not None
-            payload = getattr(getattr(out, "out", None), "payload", None)
-            if looped and payload is None and callable(getattr(out, "items", None)):
-                out.items = waited(out.items)  # its iterations arrive through host callbacks
+            if looped and callable(getattr(out, "items", None)):
+                out.items = waited(out.items)  # a loop's iterations: waits for them are wait
             else:
                 start = time.perf_counter()
-                # The original reads the tokens (a loop without callbacks: its payload) first anyway: no change
-                # of order.
-                jax.block_until_ready(out.tokens if payload is None else payload)
+                jax.block_until_ready(
+                    out.tokens
+                )  # the original reads the tokens first anyway: no change of order
                 self.wait_s += time.perf_counter() - start
             return timed(originals["_process"])(plan, out)
 

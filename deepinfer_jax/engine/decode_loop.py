@@ -33,6 +33,7 @@ computes for the same rows (same positions, counts, random streams), and a stopp
 
 from __future__ import annotations
 
+import concurrent.futures
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -340,14 +341,31 @@ class LoopStep:
     plan with ``inputs.loop``): its final :class:`LoopOutput` and the iterations its callbacks deliver."""
 
     def __init__(
-        self, plan: StepPlan, out: LoopOutput, channel: LoopChannel, layout: PackedLayout, call: int
+        self,
+        plan: StepPlan,
+        out: LoopOutput | concurrent.futures.Future[Any],
+        channel: LoopChannel,
+        layout: PackedLayout,
+        call: int,
     ) -> None:
         self.plan = plan
         self.call = call
-        self.out = out
+        # A call with host callbacks is dispatched from the executor's worker thread: its outputs arrive as the
+        # Future of (cache, state, LoopOutput).
+        self._future = out if isinstance(out, concurrent.futures.Future) else None
+        self._out = None if self._future is not None else out
+        self.streams = self._future is not None or out.payload is None
+        """Whether the call's iterations arrive through host callbacks (else all at once when it is done)."""
         self._channel = channel
         self._layout = layout
         self._done = False
+
+    @property
+    def out(self) -> LoopOutput:
+        """The call's :class:`LoopOutput` (waits for the dispatch of a call the worker thread runs)."""
+        if self._out is None:
+            self._out = self._future.result()[2]
+        return self._out
 
     @property
     def tokens(self) -> jax.Array:
@@ -365,7 +383,7 @@ class LoopStep:
         if self._done:
             raise RuntimeError("LoopStep.items: this call's iterations were taken already")
         self._done = True
-        if self.out.payload is not None:  # no callbacks: every iteration once the call is done
+        if not self.streams:  # no callbacks: every iteration once the call is done
             _, first, count, _, fields, alive = self._layout.unpack(
                 np.asarray(jax.device_get(self.out.payload))[0]
             )
@@ -376,6 +394,8 @@ class LoopStep:
         while True:
             item = self._channel.get(poll_s)
             if item is None:
+                if self._future is not None and not self._future.done():
+                    continue  # still running (a failed dispatch raises once it is done, just below)
                 if self.out.iterations.is_ready():
                     jax.block_until_ready(self.out.iterations)  # raises the device's error, if any
                     item = self._channel.get(poll_s)  # the last callback runs before the call completes

@@ -31,6 +31,7 @@ Batch-invariant mode runs every per-token computation in fixed tiles of
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import threading
@@ -687,11 +688,48 @@ class StepExecutor:
 
         self._loop_channel = LoopChannel()
         self._loop_calls = 0
+        # A decode loop with host callbacks is dispatched from this one worker thread (_call): on XLA:CPU the
+        # dispatch of a program that holds a host callback returns only once the program has run, and the host
+        # must process the previous call meanwhile. The call's cache and state arrive with it (_settle).
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future[Any] | None = None
+        self._cache: Any = None
+        self._state: Any = None
         self.cache = self._stacked(lambda: model.init_cache(num_blocks, num_slots))
         self.state = self._stacked(lambda: init_state(num_slots, self.vocab_size, self.num_draft_tokens))
         # Prefix caching's host tier: every device's blocks / slots gathered or written at once (vmap over D).
         self._reader = jax.jit(jax.vmap(model.read_cache))
         self._writer = jax.jit(jax.vmap(model.write_cache), donate_argnums=(0,))
+
+    @property
+    def cache(self) -> Any:
+        """Every device's paged cache (after the step dispatched last: waits for a call still running)."""
+        self._settle()
+        return self._cache
+
+    @cache.setter
+    def cache(self, value: Any) -> None:
+        self._settle()
+        self._cache = value
+
+    @property
+    def state(self) -> Any:
+        """Every device's per-slot state (after the step dispatched last: waits for a call still running)."""
+        self._settle()
+        return self._state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._settle()
+        self._state = value
+
+    def _settle(self) -> None:
+        """Take the cache and state of the call the worker thread still runs, once it has run (its error, if it
+        failed, is raised here once; the cache and state are then the consumed inputs, which :meth:`recover`
+        replaces)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._cache, self._state, _ = pending.result()
 
     @property
     def compiled_buckets(self) -> tuple[tuple[int, int], ...]:
@@ -853,7 +891,11 @@ class StepExecutor:
                 1  # numbers the call's host callbacks (LoopStep drops a failed call's late ones)
             )
             plan.inputs.loop.call[:] = self._loop_calls
-            self.cache, self.state, out = self._call(plan, "loop")
+            streams = min(self.stream_interval, plan.loop_steps) > 0
+            if streams:  # host callbacks: dispatched from the worker thread (see __init__)
+                out = self._call(plan, "loop", background=True)
+            else:
+                self.cache, self.state, out = self._call(plan, "loop")
             sum_smaller = self._static["sampler"].sum_smaller
             k = 0 if plan.inputs.spec is None else int(self._static.get("num_draft_tokens", 0))
             layout = PackedLayout(self.num_devices, plan.padded_seqs, plan.num_logprobs, bool(sum_smaller), k)
@@ -874,7 +916,10 @@ class StepExecutor:
         self.cache, self.state, out = self._call(split.plan, "sample", carry)
         return out
 
-    def _call(self, plan: StepPlan, stage: str, carry: Any = None) -> tuple[Any, Any, Any]:
+    def _call(self, plan: StepPlan, stage: str, carry: Any = None, *, background: bool = False) -> Any:
+        """Dispatch ``stage`` of ``plan``'s step; returns ``(cache, state, out)``. ``background``: dispatch it
+        from the worker thread and return the ``Future`` of that triple, which becomes this executor's cache
+        and state when anything reads them next (:meth:`_settle`)."""
         if self._split is not None:
             raise RuntimeError("StepExecutor: a split step's sample half must be dispatched first (finish)")
         packed, layout = pack_inputs(plan.inputs)
@@ -885,11 +930,20 @@ class StepExecutor:
             args, guard = packed, jax.transfer_guard_host_to_device("allow")
         else:
             args, guard = self._place(packed), contextlib.nullcontext()
-        fn = self._executable(plan, args, layout, stage, carry)
-        with guard:
-            if carry is None:
-                return fn(self.params, self.cache, self.state, args)
-            return fn(self.params, self.cache, self.state, args, carry)
+        fn = self._executable(plan, args, layout, stage, carry)  # compiled here, on the caller's thread
+        inputs = (self.params, self.cache, self.state, args) + (() if carry is None else (carry,))
+        if not background:
+            with guard:
+                return fn(*inputs)
+
+        def dispatch() -> Any:
+            with guard:
+                return fn(*inputs)
+
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deepinfer-dispatch")
+        self._pending = self._worker.submit(dispatch)
+        return self._pending
 
     def recover(self) -> bool:
         """After a failed run: make the cache and the per-slot state usable again. They are kept when they are
@@ -897,6 +951,10 @@ class StepExecutor:
         arrays carrying the device error) both are created afresh. Returns True when they were re-created. A step
         split in two whose sample half was not dispatched is dropped (its requests end with the failure)."""
         self._split = None
+        # A call still running finishes first (its callbacks with it); if it failed, it consumed its inputs,
+        # which are checked below.
+        with contextlib.suppress(Exception):
+            self._settle()
         self._loop_channel.clear()
         try:
             leaves = jax.tree.leaves((self.cache, self.state))
@@ -911,6 +969,11 @@ class StepExecutor:
 
     def release(self) -> None:
         """Drop the cache, the state and the compiled steps (``LLM.close``); the executor cannot run afterwards."""
+        with contextlib.suppress(Exception):  # what a failed call left is deleted below all the same
+            self._settle()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
         for leaf in jax.tree.leaves((self.cache, self.state)):
             if not leaf.is_deleted():
                 leaf.delete()
