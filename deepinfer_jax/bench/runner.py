@@ -87,9 +87,19 @@ class StepTimer:
 
             return wrapper
 
+        executor = getattr(runner, "executor", None)
+
         def dispatch(plan: Any) -> Any:
             self.steps += 1
-            return timed(originals["_dispatch"])(plan)
+            # A dispatch that waits for the decode loop still running (the executor's worker thread) waits for
+            # the device: wait, not host.
+            before = getattr(executor, "settle_seconds", 0.0)
+            try:
+                return timed(originals["_dispatch"])(plan)
+            finally:
+                blocked = getattr(executor, "settle_seconds", 0.0) - before
+                self.wait_s += blocked
+                self.host_s -= blocked
 
         def waited(items: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
             # A decode loop's iterations: every wait for the next one is device time the host could not hide.

@@ -693,6 +693,8 @@ class StepExecutor:
         # must process the previous call meanwhile. The call's cache and state arrive with it (_settle).
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future[Any] | None = None
+        self.settle_seconds = 0.0
+        """Time the caller's thread waited for such calls to finish (device time; the bench harness's wait)."""
         self._cache: Any = None
         self._state: Any = None
         self.cache = self._stacked(lambda: model.init_cache(num_blocks, num_slots))
@@ -729,7 +731,11 @@ class StepExecutor:
         replaces)."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            self._cache, self._state, _ = pending.result()
+            start = time.perf_counter()
+            try:
+                self._cache, self._state, _ = pending.result()
+            finally:
+                self.settle_seconds += time.perf_counter() - start
 
     @property
     def compiled_buckets(self) -> tuple[tuple[int, int], ...]:
