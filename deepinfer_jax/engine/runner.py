@@ -307,7 +307,8 @@ class EngineRunner:
 
     def _process_loop(self, plan: StepPlan, step: InFlight) -> list[RequestOutput]:
         """A decode-loop call: hand the scheduler each iteration as its callback delivers it (while the device
-        runs the next ones); what finishes before the last iteration is delivered at once (``_early``)."""
+        runs the next ones, or, on XLA:CPU, the next call); what finishes before the last iteration is delivered
+        at once (``_early``)."""
         loop = step.out
         outputs: list[RequestOutput] = []
         self.loop_steps += 1
