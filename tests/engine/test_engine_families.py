@@ -381,6 +381,49 @@ def test_decode_loop_stop_strings_and_streaming():
     assert len(outs) == len(base.token_ids)  # one output per token: every iteration streamed on its own
 
 
+def test_a_streamed_loop_call_is_dispatched_without_holding_the_host():
+    """On XLA:CPU the dispatch of a program with a host callback returns only once the program has run, so the
+    executor dispatches a streamed loop call from its worker thread: ``StepExecutor.run`` returns before the
+    compiled call starts. The call waits (in the worker) until ``run`` has returned; had ``run`` dispatched it
+    itself, the wait would time out and the test fail. The outputs stay the one-token engine's."""
+    import threading
+
+    llm = _loop_llm("tiny-v3", (1, 1))  # a callback every iteration
+    _, params, ref, _ = _loop_outputs("tiny-v3", (1, 1), 1)
+    executor = llm.executor
+    returned = threading.Event()
+    waited: list[bool] = []
+    find, run = executor._executable, executor.run
+
+    def gated_executable(plan, inputs, layout, stage="all", carry=None):
+        fn = find(plan, inputs, layout, stage, carry)
+        if stage != "loop":
+            return fn
+
+        def gated(*args):
+            waited.append(returned.wait(timeout=5.0))  # run() returned before the call started
+            returned.clear()
+            return fn(*args)
+
+        return gated
+
+    def run_and_signal(plan):
+        out = run(plan)
+        if plan.inputs.loop is not None:
+            returned.set()
+        return out
+
+    executor._executable, executor.run = gated_executable, run_and_signal
+    settled = executor.settle_seconds
+    try:
+        got = llm.generate(prompt_token_ids=_loop_requests()[0], sampling_params=params, use_tqdm=False)
+    finally:
+        del executor._executable, executor.run
+    assert waited and all(waited), waited
+    assert executor.settle_seconds > settled  # later dispatches waited for the running call
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+
+
 def _flatten(output) -> list[tuple[int, int, float, int | None]]:
     """Every reported (position, token id, logprob, rank), in order: what must match bit for bit."""
     return [
