@@ -19,7 +19,7 @@ blocks for all of them allocated ahead). :func:`loop_step` runs it as one ``lax.
   (:class:`LoopStep`): the callback only puts them on a queue (on XLA:CPU it runs inside the loop), and the
   runner processes them -- detokenization, stop strings, streaming -- while the device goes on (on XLA:CPU a
   call has run by the time its dispatch returns: the executor dispatches it from a worker thread, and the
-  host processes its iterations while the next call runs). A stop string
+  runner processes its iterations before it dispatches the next step). A stop string
   the host finds ends the request; the tokens the device sampled after it are dropped. A callback has a fixed
   cost (about 0.5 ms on the 2-core CPU machine, docs/benchmarks.md), which the interval spreads.
 

@@ -297,6 +297,15 @@ class EngineRunner:
         self.placeholder_plans += plan.num_placeholders
         return InFlight(out, None if self.balancer is None else self.balancer.snapshot(), start)
 
+    def _streams_before_dispatch(self, step: InFlight) -> bool:
+        """``step`` is a decode-loop call that streams its iterations through host callbacks on devices whose next
+        dispatch waits for such a call to have run (XLA:CPU: ``StepExecutor.callbacks_hold_dispatch``): the
+        runner processes it before it dispatches the next step, so its iterations are processed while it runs
+        instead of after. Elsewhere the next step is dispatched first and the call processed while that runs."""
+        return bool(
+            getattr(step.out, "streams", False) and getattr(self.executor, "callbacks_hold_dispatch", False)
+        )
+
     def _finish(self, plan: StepPlan, step: InFlight) -> InFlight:
         """A step dispatched in two halves (its plan has deferred grammar masks): fill the masks now that every
         step before it has been processed, and dispatch its sample half. Other steps are returned as they are."""
@@ -307,8 +316,7 @@ class EngineRunner:
 
     def _process_loop(self, plan: StepPlan, step: InFlight) -> list[RequestOutput]:
         """A decode-loop call: hand the scheduler each iteration as its callback delivers it (while the device
-        runs the next ones, or, on XLA:CPU, the next call); what finishes before the last iteration is delivered
-        at once (``_early``)."""
+        runs the next ones); what finishes before the last iteration is delivered at once (``_early``)."""
         loop = step.out
         outputs: list[RequestOutput] = []
         self.loop_steps += 1
@@ -492,6 +500,11 @@ class EngineRunner:
                 while more():
                     plan = self.scheduler.schedule()
                     if plan is not None:
+                        if in_flight and self._streams_before_dispatch(in_flight[0][1]):
+                            # The dispatch would wait for this call anyway: take its iterations as they arrive,
+                            # while it runs (streaming), then dispatch the step planned meanwhile.
+                            oldest, step = in_flight.popleft()
+                            take(self._process(oldest, self._finish(oldest, step)))
                         in_flight.append((plan, self._dispatch(plan)))
                         stats.steps += 1
                         self._periodic(stats, start)

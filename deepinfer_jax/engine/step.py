@@ -693,6 +693,10 @@ class StepExecutor:
         # must process the previous call meanwhile. The call's cache and state arrive with it (_settle).
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future[Any] | None = None
+        self.callbacks_hold_dispatch = all(d.platform == "cpu" for d in np.asarray(mesh.devices).flat)
+        """Whether the devices' dispatch of a program with a host callback returns only once it has run (XLA:CPU
+        in jax 0.12): the next dispatch then waits for such a call anyway, so the runner processes the call's
+        iterations as they arrive, before it dispatches the next step (``EngineRunner.run``)."""
         self.settle_seconds = 0.0
         """Time the caller's thread waited for such calls to finish (device time; the bench harness's wait)."""
         self._cache: Any = None

@@ -385,7 +385,9 @@ def test_a_streamed_loop_call_is_dispatched_without_holding_the_host():
     """On XLA:CPU the dispatch of a program with a host callback returns only once the program has run, so the
     executor dispatches a streamed loop call from its worker thread: ``StepExecutor.run`` returns before the
     compiled call starts. The call waits (in the worker) until ``run`` has returned; had ``run`` dispatched it
-    itself, the wait would time out and the test fail. The outputs stay the one-token engine's."""
+    itself, the wait would time out and the test fail. Since the next dispatch waits for such a call anyway, the
+    runner processes the call's iterations as they arrive, while the call still runs (streaming), and only then
+    dispatches the next step. The outputs stay the one-token engine's."""
     import threading
 
     llm = _loop_llm("tiny-v3", (1, 1))  # a callback every iteration
@@ -413,13 +415,32 @@ def test_a_streamed_loop_call_is_dispatched_without_holding_the_host():
             returned.set()
         return out
 
+    live: list[list[bool]] = []  # per loop call, per processed iteration: the call was still running
+    process_loop = llm.runner._process_loop
+
+    def watched(plan, step):
+        loop, items = step.out, step.out.items
+        live.append([])
+
+        def watched_items(*args, **kwargs):
+            for item in items(*args, **kwargs):
+                live[-1].append(not loop._future.done())
+                yield item
+
+        loop.items = watched_items
+        return process_loop(plan, step)
+
     executor._executable, executor.run = gated_executable, run_and_signal
+    llm.runner._process_loop = watched
     settled = executor.settle_seconds
     try:
         got = llm.generate(prompt_token_ids=_loop_requests()[0], sampling_params=params, use_tqdm=False)
     finally:
-        del executor._executable, executor.run
+        del executor._executable, executor.run, llm.runner._process_loop
     assert waited and all(waited), waited
+    # Iterations were processed while their call ran, not after it, in calls followed by another step too (with
+    # the next step dispatched first, only a run's last call, which nothing follows, would show it).
+    assert sum(any(call) for call in live) >= 2, live
     assert executor.settle_seconds > settled  # later dispatches waited for the running call
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
 
