@@ -518,15 +518,15 @@ class StepPlan:
 
 def _checked_row(req: Any, p: Any, vocab_size: int, j: int) -> CheckedRow:
     """``req``'s sampling parameters checked for the sampler (:func:`~deepinfer_jax.sampling.tensors.check_row`),
-    once per request: kept in its ``checked_sampling`` (when it has one) with the parameters object, seed and
+    once per request: kept in its ``checked_sampling`` (when it has one) with the parameters object and
     vocabulary they were checked for. ``p``: the parameters the row samples with (``req.params``, or a copy
     that differs only in fields the check does not read)."""
     cached = getattr(req, "checked_sampling", None)
-    if cached is not None and cached[0] is req.params and cached[1] == req.seed and cached[2] == vocab_size:
-        return cached[3]
-    row = check_row(p, req.seed, vocab_size, j)
+    if cached is not None and cached[0] is req.params and cached[1] == vocab_size:
+        return cached[2]
+    row = check_row(p, vocab_size, j)
     if hasattr(req, "checked_sampling"):
-        req.checked_sampling = (req.params, req.seed, vocab_size, row)
+        req.checked_sampling = (req.params, vocab_size, row)
     return row
 
 

@@ -171,7 +171,7 @@ class Request:
         self.params = params
         self.seed = seed
         self.checked_sampling: tuple[Any, ...] | None = None
-        """build_plan's cache of the checked sampling row: (params, seed, vocabulary size, CheckedRow)."""
+        """build_plan's cache of the checked sampling row: (params, vocabulary size, CheckedRow)."""
         self.order = order
         self.output_token_ids: list[int] = []
         self.num_computed = 0

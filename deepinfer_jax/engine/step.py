@@ -942,14 +942,13 @@ class StepExecutor:
             args, guard = self._place(packed), contextlib.nullcontext()
         fn = self._executable(plan, args, layout, stage, carry)  # compiled here, on the caller's thread
         inputs = (self.params, self.cache, self.state, args) + (() if carry is None else (carry,))
-        if not background:
-            with guard:
-                return fn(*inputs)
 
         def dispatch() -> Any:
             with guard:
                 return fn(*inputs)
 
+        if not background:
+            return dispatch()
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="deepinfer-dispatch")
         self._pending = self._worker.submit(dispatch)

@@ -156,8 +156,8 @@ class SamplingTensors(NamedTuple):
           extra_masked_ids: per entry of ``params_list``, more ids to mask in this step only (``bad_words``).
           token_bitmask: int32 ``[num_rows, ceil(V / 32)]`` grammar masks by row (not by entry), or ``None``
             for a step without a constrained row.
-          checked_rows: per entry of ``params_list``, its :func:`check_row` result for this ``vocab_size`` and
-            seed, kept by the caller from an earlier step (an engine checks a request's parameters once, not
+          checked_rows: per entry of ``params_list``, its :func:`check_row` result for this ``vocab_size``,
+            kept by the caller from an earlier step (an engine checks a request's parameters once, not
             once per step); ``None`` entries (or ``None``) are checked here.
 
         Raises:
@@ -192,28 +192,26 @@ class SamplingTensors(NamedTuple):
         out = _neutral(rows, vocab)
         masks: list[list[int]] = []
         # Rows sharing one parameters object (a batch generated with one SamplingParams) are checked once.
-        checked: dict[tuple[int, int], CheckedRow] = {}
+        checked: dict[int, CheckedRow] = {}
         found: list[CheckedRow] = []
+        words: list[tuple[int, int]] = []
         biases: list[tuple[int, list[int], list[float]]] = []
         allows: list[tuple[int, list[int]]] = []
         out_list = outs.tolist()
         for j, p in enumerate(params_list):
             row = None if checked_rows is None else checked_rows[j]
             if row is None:
-                seed = seeds[j]
-                plain = isinstance(seed, int | np.integer) and not isinstance(seed, bool)
-                key = (id(p), int(seed) if plain else id(seed))
-                row = checked.get(key)
+                row = checked.get(id(p))
                 if row is None:
-                    row = checked[key] = check_row(p, seeds[j], vocab, j)
+                    row = checked[id(p)] = check_row(p, vocab, j)
             found.append(row)
+            try:
+                words.append(split_seed(seeds[j]))
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"SamplingTensors.build: seeds[{j}]: {err}") from None
             done = out_list[j]
-            if (
-                banned
-                or done < row.min_tokens
-                or done < row.no_eos_until
-                or (extra_masked_ids and extra_masked_ids[j])
-            ):
+            extra_ids = None if extra_masked_ids is None else extra_masked_ids[j]
+            if banned or done < row.min_tokens or done < row.no_eos_until or extra_ids:
                 row_mask = set(banned)
                 if done < row.min_tokens:
                     row_mask.update(row.stops)
@@ -221,8 +219,8 @@ class SamplingTensors(NamedTuple):
                         row_mask.update(eos)
                 if done < row.no_eos_until:
                     row_mask.update(eos)
-                if extra_masked_ids is not None and extra_masked_ids[j]:
-                    row_mask.update(_id_list(f"params_list[{j}].bad_words", extra_masked_ids[j], vocab))
+                if extra_ids:
+                    row_mask.update(_id_list(f"params_list[{j}].bad_words", extra_ids, vocab))
                 masks.append(sorted(row_mask))
             else:
                 masks.append([])
@@ -239,7 +237,7 @@ class SamplingTensors(NamedTuple):
             values = np.array([r.values for r in found], np.float64)  # [n, 7]
             for c, name in enumerate(_VALUE_FIELDS):
                 out[name][where] = values[:, c]
-            out["seed"][where] = np.array([r.seed for r in found], np.uint32)
+            out["seed"][where] = np.array(words, np.uint32)
             out["position"][where] = pos
 
         needed = max((len(m) for m in masks), default=0)
@@ -292,11 +290,10 @@ def _width(needed: int) -> int:
 
 
 class CheckedRow(NamedTuple):
-    """One request's sampling parameters, checked and converted for one vocabulary and seed (:func:`check_row`).
+    """One request's sampling parameters, checked and converted for one vocabulary (:func:`check_row`).
 
     Attributes:
       values: the device values of :data:`_VALUE_FIELDS`, in order (top-k off as the vocabulary size).
-      seed: the seed's ``(lo, hi)`` uint32 words.
       min_tokens: tokens before EOS and the stop ids may be sampled.
       no_eos_until: ``first_n_token_no_eos`` (0 when the object has none).
       stops: the stop ids.
@@ -305,7 +302,6 @@ class CheckedRow(NamedTuple):
     """
 
     values: tuple[float, ...]
-    seed: tuple[int, int]
     min_tokens: int
     no_eos_until: int
     stops: list[int]
@@ -313,9 +309,9 @@ class CheckedRow(NamedTuple):
     allowed: list[int] | None
 
 
-def check_row(p: Any, seed: int, vocab: int, j: int = 0) -> CheckedRow:
-    """The checked parameters of a row with parameters ``p`` and seed ``seed`` (``j``: its index, for the error
-    messages). Raises as :meth:`SamplingTensors.build` does."""
+def check_row(p: Any, vocab: int, j: int = 0) -> CheckedRow:
+    """The checked parameters of a row with parameters ``p`` (``j``: its index, for the error messages). Raises
+    as :meth:`SamplingTensors.build` does."""
     missing = [f for f in ROW_FIELDS if not hasattr(p, f)]
     if missing:
         raise TypeError(
@@ -347,25 +343,12 @@ def check_row(p: Any, seed: int, vocab: int, j: int = 0) -> CheckedRow:
     ids = getattr(p, "allowed_token_ids", None)
     allowed = _id_list(f"{field}.allowed_token_ids", ids, vocab) if ids else None
     k = vocab if k <= 0 else min(k, vocab)
-    try:
-        words = split_seed(seed)
-    except (TypeError, ValueError) as err:
-        raise type(err)(f"SamplingTensors.build: seeds[{j}]: {err}") from None
     no_eos = int(getattr(p, "first_n_token_no_eos", 0) or 0)
-    return CheckedRow(
-        (temp, top_p, k, min_p, rep, pres, freq), words, min_tokens, no_eos, stops, bias, allowed
-    )
+    return CheckedRow((temp, top_p, k, min_p, rep, pres, freq), min_tokens, no_eos, stops, bias, allowed)
 
 
-_VALUE_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-)
+_VALUE_FIELDS = ROW_FIELDS[:7]
+"""The fields of :attr:`CheckedRow.values`, in order (the per-row float and int columns)."""
 
 
 def _neutral(rows: int, vocab: int) -> dict[str, np.ndarray]:

@@ -94,31 +94,26 @@ class IncrementalDetokenizer:
         """Add ``ids`` (one id or an iterable of ids) and return the text that became final, possibly ``""``."""
         if self._finished:
             raise RuntimeError("push() after finish(): this detokenizer's sequence has ended")
-        if type(ids) is int and not self._window and 0 <= ids < self._vocab_size:
-            # The common case, one valid id after complete text: the window would hold it alone, so its text is
-            # the id's own decode (memoised by the tokenizer); the general path below gives the same result.
-            self._num_tokens += 1
-            if ids in self._skipped:
-                return ""
-            text = self._tokenizer.decode_one(ids, skip_special_tokens=self._skip_special_tokens)
-            if not text.endswith(REPLACEMENT_CHARACTER):
-                return text
-            self._window.append(ids)
-            self._emitted = len(text) - 1
-            return text[: self._emitted]
-        if isinstance(ids, int | np.integer) and not isinstance(ids, bool):
-            ids = [ids]
-        # Indices in error messages count from the start of the stream, which is what a caller can act on.
-        try:
-            checked = self._tokenizer.validate_ids(ids)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"{exc} (stream position {self._num_tokens} onwards)") from None
+        if type(ids) is int and 0 <= ids < self._vocab_size:
+            checked = [ids]  # the engine's push: one valid id, nothing to convert
+        else:
+            if isinstance(ids, int | np.integer) and not isinstance(ids, bool):
+                ids = [ids]
+            # Indices in error messages count from the start of the stream, which is what a caller can act on.
+            try:
+                checked = self._tokenizer.validate_ids(ids)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{exc} (stream position {self._num_tokens} onwards)") from None
         self._num_tokens += len(checked)
         kept = [i for i in checked if i not in self._skipped]
         if not kept:
             return ""
         self._window.extend(kept)
-        text = self._decode(self._window)
+        # After complete text the window often holds one id: its own decode, memoised by the tokenizer.
+        if len(self._window) == 1:
+            text = self._tokenizer.decode_one(self._window[0], skip_special_tokens=self._skip_special_tokens)
+        else:
+            text = self._decode(self._window)
         if not text.endswith(REPLACEMENT_CHARACTER):
             delta = text[self._emitted :]
             self._window.clear()

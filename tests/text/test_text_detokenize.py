@@ -29,7 +29,7 @@ def _stream(tokenizer: Tokenizer, ids: Sequence[int], chunks: Sequence[int], ski
     for size in chunks:
         piece = list(ids[start : start + size])
         start += size
-        # A single id goes in as a Python int (the engine's per-token push: the memoised fast path), more as a list.
+        # A single id goes in as a Python int (the engine's per-token push, decoded through decode_one), more as a list.
         delta = detok.push(int(piece[0]) if len(piece) == 1 else piece)
         # The delta is the slice of the full decode at its position: in particular it holds a U+FFFD only
         # where the full text has one.
