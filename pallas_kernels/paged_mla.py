@@ -51,6 +51,7 @@ def pick_tiles(heads: int, kv_rank: int, block_size: int) -> AttnTiles:
 
 
 def _kernel(
+    layer_ref: Any,
     tok_ref: Any,
     pos_ref: Any,
     bt_ref: Any,
@@ -60,7 +61,6 @@ def _kernel(
     o_ref: Any,
     *,
     tiles: AttnTiles,
-    layer: int,
     seqs: int,
     max_blocks: int,
     num_blocks: int,
@@ -76,6 +76,7 @@ def _kernel(
 
     bh, bk, dc = tiles.block_h, tiles.block_k, tiles.chunk
     t, hb = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
     row_raw = tok_ref[t]
     real = row_raw < seqs
     row = jnp.where(real, row_raw, 0)
@@ -164,7 +165,7 @@ def paged_mla_attention(
     q_lat: jax.Array,
     q_pe: jax.Array,
     cache: jax.Array,
-    layer: int,
+    layer: int | jax.Array,
     token_seq: jax.Array,
     positions: jax.Array,
     block_tables: jax.Array,
@@ -176,7 +177,8 @@ def paged_mla_attention(
 ) -> jax.Array:
     """Op ``"paged_mla_attention"`` (signature and result of the reference in :mod:`deepinfer_jax.cache.paged`).
 
-    ``context_lens`` is accepted for the signature: each token's own position bounds its keys.
+    ``context_lens`` is accepted for the signature: each token's own position bounds its keys. ``layer`` may be
+    traced (a scanned run of layers): the kernel reads it as an operand; a static one is range-checked here.
     ``tiles`` overrides :func:`pick_tiles`; ``interpret=True`` runs the kernel with the Pallas interpreter.
     """
     del context_lens
@@ -186,7 +188,7 @@ def paged_mla_attention(
     fp8 = cache.dtype == jnp.uint8
     if not fp8 and width != kv_rank + rope_dim:
         raise ValueError(f"paged_mla_attention: cache width {width} != {kv_rank} + {rope_dim}")
-    if not 0 <= layer < num_layers:
+    if not isinstance(layer, jax.Array) and not 0 <= int(layer) < num_layers:
         raise ValueError(f"paged_mla_attention: layer {layer} outside the cache's {num_layers} layers")
     if tokens == 0:
         return jnp.zeros((0, heads, kv_rank), jnp.float32)
@@ -201,7 +203,6 @@ def paged_mla_attention(
     kernel = functools.partial(
         _kernel,
         tiles=tiles,
-        layer=int(layer),
         seqs=seqs,
         max_blocks=max_blocks,
         num_blocks=num_blocks,
@@ -221,6 +222,7 @@ def paged_mla_attention(
         interpret=interpret,
         name="paged_mla_attention",
     )(
+        jnp.asarray(layer, jnp.int32).reshape(1),
         token_seq.astype(jnp.int32),
         positions.astype(jnp.int32),
         block_tables.astype(jnp.int32).reshape(-1),

@@ -313,7 +313,7 @@ def slot_mapping(
 
 def write_tokens(
     cache: jax.Array,
-    layer: int,
+    layer: int | jax.Array,
     entries: jax.Array,
     blocks: jax.Array,
     offsets: jax.Array,
@@ -355,7 +355,7 @@ def _fp8_kv_rank(record_width: int, width: int) -> int:
 
 def read_tokens(
     cache: jax.Array,
-    layer: int,
+    layer: int | jax.Array,
     blocks: jax.Array,
     offsets: jax.Array,
     *,
@@ -378,7 +378,7 @@ def paged_mla_attention(
     q_lat: jax.Array,
     q_pe: jax.Array,
     cache: jax.Array,
-    layer: int,
+    layer: int | jax.Array,
     token_seq: jax.Array,
     positions: jax.Array,
     block_tables: jax.Array,
@@ -393,7 +393,7 @@ def paged_mla_attention(
       q_pe: ``[T, Nh, R]`` rotated RoPE queries.
       cache: the whole paged cache ``[L, num_blocks, block_size, C + R]`` (or ``uint8`` FP8 latent records);
       this step's tokens are already in it.
-      layer: the static layer index into ``cache``.
+      layer: the layer index into ``cache`` (an int, or a traced ``int32`` scalar in a scanned run of layers).
       token_seq: ``int [T]`` row of ``block_tables`` owning each token; ``>= S`` marks padding (output zeros).
       positions: ``int [T]`` absolute positions; key position ``k`` is visible to a query at ``p`` iff ``k <=
       p``.

@@ -296,6 +296,16 @@ FIELDS: dict[str, Setting] = {
     "ops.kernel_cache_dir": _honoured(
         "the persistent compilation cache's folder (default: JAX's own setting, else $DEEPINFER_JAX_CACHE/jit)"
     ),
+    "ops.scan_layers": _honoured(
+        "runs of at least this many same-structure decoder layers are stacked and run with lax.scan (one "
+        "compilation per run); 0: every layer unrolled; deepseek_v3 only (V4 / V4.1 layers stay unrolled: no scan "
+        "layout yet), and not with expert-parallel slot layouts (expert_parallel_size > 1)",
+        warn_if=lambda cfg: (
+            "parallel.expert_parallel_size > 1 keeps per-layer expert slots"
+            if cfg.ops.scan_layers and cfg.parallel.expert_parallel_size > 1
+            else None
+        ),
+    ),
     # ------------------------------------------------------------------------------------------ server
     "server.host": _honoured("the address deepinfer-jax serve binds"),
     "server.port": _honoured("the port deepinfer-jax serve binds (0: any free port)"),

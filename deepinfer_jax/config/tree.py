@@ -362,6 +362,10 @@ class OpsConfig(Checked):
             same model and buckets compiles nothing (``deepinfer_jax/ops/compile_cache.py``).
         kernel_cache_dir: the persistent cache's folder (``DEEPINFER_JIT_CACHE_DIR``); ``None`` = JAX's own
             ``jax_compilation_cache_dir`` when set, else ``$DEEPINFER_JAX_CACHE/jit``.
+        scan_layers: scanned layers (``deepinfer_jax/models/common/layer_runs.py``): the engine stacks each run of
+            at least this many consecutive decoder layers of one structure and runs it with ``lax.scan``, so the
+            run compiles once; ``0`` keeps every layer unrolled. Families with a scan layout only (deepseek_v3),
+            and not with expert-parallel slot layouts (``expert_parallel_size > 1``).
     """
 
     _PREFIX: ClassVar[str] = "ops"
@@ -374,6 +378,7 @@ class OpsConfig(Checked):
     indexer_workspace_bytes: int = 10 * _GIB
     compile_cache: bool = True
     kernel_cache_dir: str | None = None
+    scan_layers: int = 3
 
     def _validate(self) -> None:
         allowed = ("auto", *OPS_BACKENDS)
@@ -389,6 +394,13 @@ class OpsConfig(Checked):
                     field="ops.overrides",
                 )
         check_range("ops.indexer_workspace_bytes", self.indexer_workspace_bytes, ge=1)
+        check_range("ops.scan_layers", self.scan_layers, ge=0)
+        if self.scan_layers == 1:
+            raise ConfigValueError(
+                "ops.scan_layers = 1: a run of one layer is not stacked; use 0 (no scanned layers) or a run "
+                "length >= 2",
+                field="ops.scan_layers",
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

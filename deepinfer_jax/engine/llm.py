@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import os
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,8 @@ from deepinfer_jax.cache.plan import plan_memory
 from deepinfer_jax.cache.prefix import prefix_salt
 from deepinfer_jax.checkpoint.model_loading import DTYPES, Model, init_random, load_model
 from deepinfer_jax.config import load_config_with_sources
-from deepinfer_jax.config.status import check_settings, env_report, field_value
+from deepinfer_jax.config.errors import ConfigWarning
+from deepinfer_jax.config.status import check_settings, env_report, field_default, field_value
 from deepinfer_jax.config.tree import SNAPSHOT_SLOTS_RATIO
 from deepinfer_jax.engine import chat as _chat
 from deepinfer_jax.engine.buckets import step_buckets
@@ -53,6 +55,7 @@ from deepinfer_jax.engine.spec_budget import (
 from deepinfer_jax.engine.spec_varlen import VerifyLengthPlanner, probe_batch
 from deepinfer_jax.engine.step import SamplerOptions, StepExecutor, state_bytes
 from deepinfer_jax.models import builtin
+from deepinfer_jax.models.common.layer_runs import LayerStack
 from deepinfer_jax.models.registry import get_family
 from deepinfer_jax.ops import compile_cache
 from deepinfer_jax.ops.selection import resolve_selection
@@ -452,6 +455,34 @@ def _lay_out(model: Model, mesh: Mesh, *, extra: int = 0) -> Model:
     return Model(model.config, params, model.family, model.dtype, model.path)
 
 
+def _scan_layout(model: Model, min_run: int) -> Model:
+    """``model`` with runs of at least ``min_run`` same-structure layers stacked for ``lax.scan``
+    (``ops.scan_layers``; :mod:`deepinfer_jax.models.common.layer_runs`), where its family has a scan layout and
+    its experts are not in expert-parallel slots (those stay per layer: EPLB moves each layer's slots)."""
+    if not min_run:
+        return model
+    if model.family.scan_layout is None:
+        if min_run != field_default("ops.scan_layers"):
+            warnings.warn(
+                f"ops.scan_layers = {min_run} has no effect here: model family {model.family.name!r} has no scan "
+                "layout yet, its layers run unrolled",
+                ConfigWarning,
+                stacklevel=3,
+            )
+        return model
+    if slot_expert_layers(model.params):
+        return model
+    params = model.family.scan_layout(model.params, model.config, min_run=min_run)
+    stacks = [seg for seg in params["layers"] if isinstance(seg, LayerStack)]
+    if not stacks:
+        return model
+    logging.info(
+        "scanned layers: %s",
+        ", ".join(f"{s.start}-{s.start + s.count - 1}" for s in stacks),
+    )
+    return Model(model.config, params, model.family, model.dtype, model.path)
+
+
 class LLM:
     """Offline inference over a DeepSeek model: ``LLM("tiny-v3").generate(["Hello"])``.
 
@@ -625,8 +656,13 @@ class LLM:
         self.op_selection = resolve_selection(config.ops, platform=mesh.devices.flat[0].platform)
         """Which implementation every op of the step runs (``ops.backend`` / ``ops.overrides`` / ``ops.strict``)."""
         self.op_selection.log()
-        self.model = _lay_out(
-            _load_for(model_dir, dtype, mesh, config), mesh, extra=config.parallel.eplb_num_redundant_experts
+        self.model = _scan_layout(
+            _lay_out(
+                _load_for(model_dir, dtype, mesh, config),
+                mesh,
+                extra=config.parallel.eplb_num_redundant_experts,
+            ),
+            config.ops.scan_layers,
         )
         cfg = self.model.config
         self.tokenizer = _resolve_tokenizer(tokenizer, model_dir)

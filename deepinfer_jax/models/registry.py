@@ -46,6 +46,10 @@ class ModelFamily:
     logical_axes: Callable[[Any], Any] | None = None
     cache_storage: Callable[[str, str], str] | None = None
     paged_model: Callable[..., Any] | None = None
+    scan_layout: Callable[..., Any] | None = None
+    """``scan_layout(params, config, min_run=n)``: the parameters with runs of same-structure layers stacked
+    (:mod:`deepinfer_jax.models.common.layer_runs`), which every forward of the family also takes; ``None``: the
+    family's layers always run unrolled."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -55,7 +59,7 @@ class ModelFamily:
         for field in ("expected_tensors", "assemble_params", "init_params", "forward_logits"):
             if not callable(getattr(self, field)):
                 raise TypeError(f"ModelFamily.{field}: expected a callable, got {getattr(self, field)!r}")
-        for field in ("logical_axes", "cache_storage", "paged_model"):
+        for field in ("logical_axes", "cache_storage", "paged_model", "scan_layout"):
             value = getattr(self, field)
             if value is not None and not callable(value):
                 raise TypeError(f"ModelFamily.{field}: expected a callable or None, got {value!r}")

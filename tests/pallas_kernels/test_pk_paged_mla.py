@@ -89,6 +89,27 @@ def test_one_token_and_empty_batches(batch):
     assert empty.shape == (0, H, C)
 
 
+def test_a_traced_layer_reads_that_layer(batch):
+    """Inside a scanned run of layers the layer index is traced: the kernel reads it as an operand. Each layer of
+    a ``lax.scan`` over both layers gives the reference's result for that static layer (the two layers hold
+    different values, so reading the wrong one fails)."""
+    values, tables, token_seq, positions, context, q_lat, q_pe = batch
+    cache = jnp.asarray(values)
+
+    def one(layer, fn, **kw):
+        return fn(q_lat, q_pe, cache, layer, token_seq, positions, tables, context, scale=0.15, **kw)
+
+    scanned = jax.jit(
+        lambda: jax.lax.scan(
+            lambda c, i: (c, one(i, kernel, tiles=TILES, interpret=True)), 0, jnp.arange(L, dtype=jnp.int32)
+        )[1]
+    )()
+    for layer in range(L):
+        want = np.asarray(one(layer, paged.paged_mla_attention))
+        np.testing.assert_allclose(np.asarray(scanned[layer]), want, rtol=0, atol=2e-6)
+    assert np.abs(np.asarray(scanned[0]) - np.asarray(scanned[1]))[:5].max() > 0.1
+
+
 def test_refuses_mismatched_caches(batch):
     values, tables, token_seq, positions, context, q_lat, q_pe = batch
     with pytest.raises(ValueError, match="width"):

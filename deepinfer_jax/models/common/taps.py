@@ -19,7 +19,7 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["collect", "record"]
+__all__ = ["collect", "collecting", "record"]
 
 _ACTIVE: contextvars.ContextVar[list[tuple[str, dict[str, Any]]] | None] = contextvars.ContextVar(
     "deepinfer_jax_taps", default=None
@@ -31,6 +31,12 @@ def record(kind: str, **values: Any) -> None:
     sink = _ACTIVE.get()
     if sink is not None:
         sink.append((kind, values))
+
+
+def collecting() -> bool:
+    """Whether a :func:`collect` block is active (a forward that would record inside a ``lax.scan`` runs unrolled
+    then, :mod:`.layer_runs`)."""
+    return _ACTIVE.get() is not None
 
 
 @contextlib.contextmanager

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from deepinfer_jax.models.deepseek_v3 import paged
-from deepinfer_jax.models.deepseek_v3.model import forward_logits
+from deepinfer_jax.models.deepseek_v3.model import forward_logits, scan_layout
 from deepinfer_jax.models.deepseek_v3.weights import (
     IGNORED_TENSORS,
     assemble_params,
@@ -25,4 +25,5 @@ FAMILY = ModelFamily(
     logical_axes=logical_axes,
     cache_storage=paged.cache_storage,
     paged_model=paged.paged_model,
+    scan_layout=scan_layout,
 )

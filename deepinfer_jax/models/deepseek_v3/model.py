@@ -35,6 +35,7 @@ from deepinfer_jax.models.common import (
     swiglu_mlp,
     taps,
 )
+from deepinfer_jax.models.common.layer_runs import run_layers, stack_layers
 from deepinfer_jax.models.deepseek_v3.attention import mla_absorbed, mla_naive, mla_project
 from deepinfer_jax.models.deepseek_v3.weights import check_supported, compute_dtype
 from deepinfer_jax.numerics.activation import CastPolicy
@@ -51,6 +52,7 @@ __all__ = [
     "moe_routing",
     "mtp_forward",
     "plan",
+    "scan_layout",
 ]
 
 Params = dict[str, Any]
@@ -220,8 +222,7 @@ def _hidden_states(params: Params, pl: V3Plan, ids: jax.Array) -> jax.Array:
     x = embed_tokens(params["embed"], ids, dtype=dtype)
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
     cos, sin = pl.cos_sin(positions)
-    for layer in params["layers"]:
-        x, _ = _decoder_layer(x, layer, pl, cos, sin)
+    x = run_layers(params["layers"], lambda x, layer, i: _decoder_layer(x, layer, pl, cos, sin)[0], x)
     return select("rms_norm")(x, params["norm"], eps=pl.cfg.rms_norm_eps)
 
 
@@ -307,9 +308,13 @@ def forward(
     lat = cache["latent"]
     cos, sin = pl.cos_sin(pos)
     x = embed_tokens(params["embed"], ids, dtype=jnp.dtype(pl.dtype))
-    for i, layer in enumerate(params["layers"]):
+
+    def body(carry: tuple[jax.Array, jax.Array], layer: Params, i: Any) -> tuple[jax.Array, jax.Array]:
+        x, lat = carry
         x, layer_cache = _decoder_layer(x, layer, pl, cos, sin, lat[i], pos)
-        lat = lat.at[i].set(layer_cache)
+        return x, lat.at[i].set(layer_cache)
+
+    x, lat = run_layers(params["layers"], body, (x, lat))
     h = select("rms_norm")(x, params["norm"], eps=cfg.rms_norm_eps)
     logits = lm_head(h, params["lm_head"])
     if return_hidden:
@@ -370,3 +375,11 @@ def mtp_forward(
         new_cache = {"latent": lat.at[slot].set(layer_cache)}
     out = rms_norm(x, p["head_norm"], eps=eps)
     return lm_head(out, p["head"]), out, new_cache
+
+
+def scan_layout(params: Params, cfg: DeepseekV3Config, *, min_run: int) -> Params:
+    """``params`` with each run of at least ``min_run`` same-structure decoder layers stacked (the MoE layers
+    after ``first_k_dense_replace``, and the dense ones before when there are enough of them), run with
+    ``lax.scan`` by every forward of this module and of the paged engine (:mod:`..common.layer_runs`)."""
+    del cfg  # the structure is read from the parameters: a quantised and a float layer never share a stack
+    return {**params, "layers": stack_layers(params["layers"], min_run=min_run)}

@@ -27,6 +27,7 @@ from deepinfer_jax.cache.paged import (
 from deepinfer_jax.cache.ragged import RaggedMeta
 from deepinfer_jax.config.v3 import DeepseekV3Config
 from deepinfer_jax.models.common import embed_tokens, linear, lm_head
+from deepinfer_jax.models.common.layer_runs import run_layers
 from deepinfer_jax.models.deepseek_v3 import model as v3_model
 from deepinfer_jax.models.deepseek_v3.attention import mla_project
 from deepinfer_jax.models.paged import CacheLayout, PagedModel
@@ -81,12 +82,14 @@ def paged_decoder_layer(
     cos: jax.Array,
     sin: jax.Array,
     cache: jax.Array,
-    layer: int,
+    layer: int | jax.Array,
     meta: PagedMeta,
     *,
     tile: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """One V3 decoder layer over the flat batch ``x [T, H]``, its latents written to ``cache[layer]``.
+
+    ``layer`` is a Python int, or a traced ``int32`` scalar inside a scanned run of layers.
 
     The same pre-norm residual block as the contiguous-cache model: ``x + attn(norm(x))`` then
     ``x + mlp(norm(x))`` (dense MLP or DeepSeekMoE), with the attention reading the paged cache through op
@@ -159,8 +162,11 @@ def forward_paged(
     pl = v3_model.plan(cfg, jnp.dtype(params["embed"].dtype).name)
     x = embed_tokens(params["embed"], token_ids, dtype=jnp.dtype(pl.dtype))
     cos, sin = pl.cos_sin(meta.positions)
-    for i, layer in enumerate(params["layers"]):
-        x, cache = paged_decoder_layer(x, layer, pl, cos, sin, cache, i, meta, tile=tile)
+
+    def body(carry: tuple[jax.Array, jax.Array], layer: Params, i: Any) -> tuple[jax.Array, jax.Array]:
+        return paged_decoder_layer(carry[0], layer, pl, cos, sin, carry[1], i, meta, tile=tile)
+
+    x, cache = run_layers(params["layers"], body, (x, cache))
     return select("rms_norm")(x, params["norm"], eps=cfg.rms_norm_eps), cache
 
 
