@@ -364,8 +364,10 @@ class OpsConfig(Checked):
             ``jax_compilation_cache_dir`` when set, else ``$DEEPINFER_JAX_CACHE/jit``.
         scan_layers: scanned layers (``deepinfer_jax/models/common/layer_runs.py``): the engine stacks each run of
             at least this many consecutive decoder layers of one structure and runs it with ``lax.scan``, so the
-            run compiles once; ``0`` keeps every layer unrolled. Families with a scan layout only (deepseek_v3),
-            and not with expert-parallel slot layouts (``expert_parallel_size > 1``).
+            run compiles once; ``0`` keeps every layer unrolled; ``None`` = 3 on a CPU, 0 on an accelerator (a
+            scanned layer's experts are copied out of the stack every step, docs/engine.md). Families with a
+            scan layout only (deepseek_v3), and not with expert-parallel slot layouts
+            (``expert_parallel_size > 1``).
     """
 
     _PREFIX: ClassVar[str] = "ops"
@@ -378,7 +380,7 @@ class OpsConfig(Checked):
     indexer_workspace_bytes: int = 10 * _GIB
     compile_cache: bool = True
     kernel_cache_dir: str | None = None
-    scan_layers: int = 3
+    scan_layers: int | None = None
 
     def _validate(self) -> None:
         allowed = ("auto", *OPS_BACKENDS)

@@ -35,7 +35,7 @@ from deepinfer_jax.cache.prefix import prefix_salt
 from deepinfer_jax.checkpoint.model_loading import DTYPES, Model, init_random, load_model
 from deepinfer_jax.config import load_config_with_sources
 from deepinfer_jax.config.errors import ConfigWarning
-from deepinfer_jax.config.status import check_settings, env_report, field_default, field_value
+from deepinfer_jax.config.status import check_settings, env_report, field_value
 from deepinfer_jax.config.tree import SNAPSHOT_SLOTS_RATIO
 from deepinfer_jax.engine import chat as _chat
 from deepinfer_jax.engine.buckets import step_buckets
@@ -455,14 +455,21 @@ def _lay_out(model: Model, mesh: Mesh, *, extra: int = 0) -> Model:
     return Model(model.config, params, model.family, model.dtype, model.path)
 
 
-def _scan_layout(model: Model, min_run: int) -> Model:
-    """``model`` with runs of at least ``min_run`` same-structure layers stacked for ``lax.scan``
-    (``ops.scan_layers``; :mod:`deepinfer_jax.models.common.layer_runs`), where its family has a scan layout and
-    its experts are not in expert-parallel slots (those stay per layer: EPLB moves each layer's slots)."""
+SCAN_LAYERS_CPU = 3
+"""``ops.scan_layers = None`` on a CPU: runs of two compile slower scanned than unrolled on XLA:CPU."""
+
+
+def _scan_layout(model: Model, setting: int | None, platform: str) -> Model:
+    """``model`` with runs of same-structure layers stacked for ``lax.scan`` (``ops.scan_layers``:
+    :mod:`deepinfer_jax.models.common.layer_runs`; ``None``: :data:`SCAN_LAYERS_CPU` on a CPU, none on an
+    accelerator, where a scanned layer's experts would be copied out of the stack every step), where its family
+    has a scan layout and its experts are not in expert-parallel slots (those stay per layer: EPLB moves each
+    layer's slots)."""
+    min_run = (SCAN_LAYERS_CPU if platform == "cpu" else 0) if setting is None else setting
     if not min_run:
         return model
     if model.family.scan_layout is None:
-        if min_run != field_default("ops.scan_layers"):
+        if setting is not None:
             warnings.warn(
                 f"ops.scan_layers = {min_run} has no effect here: model family {model.family.name!r} has no scan "
                 "layout yet, its layers run unrolled",
@@ -663,6 +670,7 @@ class LLM:
                 extra=config.parallel.eplb_num_redundant_experts,
             ),
             config.ops.scan_layers,
+            mesh.devices.flat[0].platform,
         )
         cfg = self.model.config
         self.tokenizer = _resolve_tokenizer(tokenizer, model_dir)

@@ -174,6 +174,17 @@ def test_scanned_engine_gives_the_unrolled_engines_outputs(mesh):
                 assert abs(la[t].logprob - lb[t].logprob) < families.LOGPROB_TOL, (i, k, t)
 
 
+def test_the_default_scans_runs_of_three_on_a_cpu_only():
+    """``ops.scan_layers = None``: shakespeare-v3's five MoE layers are one stack on a CPU, and stay unrolled on
+    an accelerator (where a scanned layer's experts would be copied out of the stack every step)."""
+    model = deepinfer_jax.load_model("shakespeare-v3", "float32")
+    cpu = llm_module._scan_layout(model, None, "cpu")
+    assert [(s.start, s.count) for s in cpu.params["layers"] if isinstance(s, LayerStack)] == [(1, 5)]
+    assert llm_module._scan_layout(model, None, "gpu") is model
+    two = llm_module._scan_layout(_v3(0), None, "cpu")  # tiny-v3: a run of two stays unrolled by default
+    assert not has_stacks(two.params["layers"])
+
+
 def test_expert_slots_and_families_without_a_scan_layout_stay_unrolled():
     """An expert-parallel mesh keeps per-layer expert slots (EPLB moves each layer's), so nothing is stacked;
     a family without a scan layout warns when ops.scan_layers is set, and keeps its layers; a run of one is
@@ -192,9 +203,9 @@ def test_expert_slots_and_families_without_a_scan_layout_stay_unrolled():
     llm.close()
     v4 = deepinfer_jax.load_model("tiny-v4", "float32")
     with pytest.warns(ConfigWarning, match=r"ops\.scan_layers = 2 has no effect here"):
-        assert llm_module._scan_layout(v4, 2) is v4
+        assert llm_module._scan_layout(v4, 2, "cpu") is v4
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert llm_module._scan_layout(v4, 3) is v4  # the default: no warning
+        assert llm_module._scan_layout(v4, None, "cpu") is v4  # the default: no warning
     with pytest.raises(ConfigValueError, match=r"ops\.scan_layers = 1"):
         LLM("tiny-v3", **{"ops.scan_layers": 1})

@@ -64,6 +64,8 @@ def _signature(tree: Any) -> tuple[Any, ...]:
 
 def _stack_leaf(*leaves: jax.Array) -> jax.Array:
     out = jnp.stack(leaves)
+    if isinstance(leaves[0], jax.core.Tracer):  # under a trace (jax.eval_shape of a layout): no placement
+        return out
     sharding = getattr(leaves[0], "sharding", None)
     if isinstance(sharding, NamedSharding):  # keep a mesh layout: the new leading axis is not sharded
         out = jax.device_put(out, NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec)))
