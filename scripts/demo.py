@@ -77,8 +77,14 @@ def main() -> int:
 
     # 2. The engine (paged caches, state slots, scheduler, jitted step, sampler) on the same model: its greedy
     #    tokens must equal the full forward's; two seeded samples share the batch. V4.1's DSpark drafter drafts
-    #    (on by default): its rings and draft pool grow every state slot, so the demo keeps 16 of them.
-    llm = LLM(model=args.model, dtype="float32", kv_cache_memory="64MiB", max_num_seqs=16)
+    #    (on by default): its rings and draft pool grow every state slot, so the demo keeps 16 of them. At most 16
+    #    tokens per step: the three prompts are prefilled in chunks through the same compiled step shape (16
+    #    tokens x 8 sequences) as the decode steps, so the first start compiles one engine step instead of two
+    #    (a decode step of three rows with five drafts each would need 18; the scheduler verifies fewer drafts
+    #    then, which the greedy tokens do not depend on).
+    llm = LLM(
+        model=args.model, dtype="float32", kv_cache_memory="64MiB", max_num_seqs=16, max_num_batched_tokens=16
+    )
     params = [
         SamplingParams(max_tokens=args.max_tokens, temperature=0.0),
         SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.9, seq_seed=1),
