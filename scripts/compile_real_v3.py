@@ -13,7 +13,6 @@ context, and prints one JSON line with the seconds of each stage and XLA's repor
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 from absl import app, flags
@@ -31,6 +30,7 @@ def main(argv: list[str]) -> None:
     del argv
     import jax
     import jax.numpy as jnp
+    from _real_compile import compile_stages, decode_meta_structs  # scripts/_real_compile.py
 
     from deepinfer_jax.cache.ragged import make_meta
     from deepinfer_jax.config import load_model_config
@@ -50,32 +50,16 @@ def main(argv: list[str]) -> None:
     params = jax.eval_shape(lambda t: assemble_params(cfg, t, "bfloat16"), structs)
     model = V3PagedModel(cfg, BLOCK, "bfloat16")
     batch, context = FLAGS.batch, FLAGS.context
-    i32 = jnp.int32
     cache = jax.eval_shape(lambda: model.init_cache(batch * context // BLOCK + 1, batch + 1))
-    meta_args = (
-        jax.ShapeDtypeStruct((batch,), i32),  # token_seq
-        jax.ShapeDtypeStruct((batch,), i32),  # positions
-        jax.ShapeDtypeStruct((batch + 1,), i32),  # query_start
-        jax.ShapeDtypeStruct((batch,), i32),  # context_lens
-        jax.ShapeDtypeStruct((batch,), i32),  # seq_slots
-        jax.ShapeDtypeStruct((batch, context // BLOCK), i32),  # block_tables
-    )
-    tokens = jax.ShapeDtypeStruct((batch,), i32)
+    meta_args = decode_meta_structs(batch, context, BLOCK)
+    tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
 
     def step(params, cache, tokens, *meta_args):
         return model.forward(params, cache, tokens, make_meta(*meta_args), tile=None)
 
     for min_run in FLAGS.scan_layers:
         laid_out = jax.eval_shape(lambda p, n=min_run: scan_layout(p, cfg, min_run=n), params)
-        jitted = jax.jit(step, donate_argnums=(1,))
-        t0 = time.perf_counter()
-        traced = jitted.trace(laid_out, cache, tokens, *meta_args)
-        t1 = time.perf_counter()
-        lowered = traced.lower()
-        t2 = time.perf_counter()
-        compiled = lowered.compile()
-        t3 = time.perf_counter()
-        memory = compiled.memory_analysis()
+        stages = compile_stages(step, laid_out, cache, tokens, *meta_args)
         print(
             json.dumps(
                 {
@@ -85,11 +69,7 @@ def main(argv: list[str]) -> None:
                     "batch": batch,
                     "context": context,
                     "backend": jax.default_backend(),
-                    "trace_s": round(t1 - t0, 1),
-                    "lower_s": round(t2 - t1, 1),
-                    "compile_s": round(t3 - t2, 1),
-                    "temp_mib": round(memory.temp_size_in_bytes / (1 << 20), 1),
-                    "hlo_chars": len(lowered.as_text()),
+                    **stages,
                 }
             ),
             flush=True,

@@ -35,6 +35,7 @@ def main(argv: list[str]) -> None:
     from deepinfer_jax.cache.ragged import make_meta
 
     sys.path.insert(0, str(ROOT / "tests" / "models" / "deepseek_v41"))
+    from _real_compile import compile_stages  # scripts/_real_compile.py
     from test_v41_paged_memory import build_real, decode_inputs
 
     start = time.perf_counter()
@@ -47,15 +48,7 @@ def main(argv: list[str]) -> None:
     def step(params, cache, tokens, *meta_args):
         return model.forward(params, cache, tokens, make_meta(*meta_args), tile=None)
 
-    jitted = jax.jit(step, donate_argnums=(1,))
-    t0 = time.perf_counter()
-    traced = jitted.trace(params, cache, tokens, *meta_args)
-    t1 = time.perf_counter()
-    lowered = traced.lower()
-    t2 = time.perf_counter()
-    compiled = lowered.compile()
-    t3 = time.perf_counter()
-    memory = compiled.memory_analysis()
+    stages = compile_stages(step, params, cache, tokens, *meta_args)
     print(
         json.dumps(
             {
@@ -65,11 +58,7 @@ def main(argv: list[str]) -> None:
                 "context": context,
                 "backend": jax.default_backend(),
                 "setup_s": round(setup, 1),
-                "trace_s": round(t1 - t0, 1),
-                "lower_s": round(t2 - t1, 1),
-                "compile_s": round(t3 - t2, 1),
-                "temp_mib": round(memory.temp_size_in_bytes / (1 << 20), 1),
-                "hlo_chars": len(lowered.as_text()),
+                **stages,
             }
         )
     )

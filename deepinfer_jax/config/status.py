@@ -298,8 +298,9 @@ FIELDS: dict[str, Setting] = {
     ),
     "ops.scan_layers": _honoured(
         "runs of at least this many same-structure decoder layers are stacked and run with lax.scan (one "
-        "compilation per run); 0: every layer unrolled; None: 3 on a CPU, 0 on an accelerator; deepseek_v3 only (V4 / V4.1 layers stay unrolled: no scan "
-        "layout yet), and not with expert-parallel slot layouts (expert_parallel_size > 1)",
+        "compilation per run); 0: every layer unrolled; None: 3 on a CPU, 0 on an accelerator; deepseek_v3 "
+        "only (V4 / V4.1 layers stay unrolled: no scan layout yet), and not with expert-parallel slot layouts "
+        "(expert_parallel_size > 1)",
         warn_if=lambda cfg: (
             "parallel.expert_parallel_size > 1 keeps per-layer expert slots"
             if cfg.ops.scan_layers and cfg.parallel.expert_parallel_size > 1

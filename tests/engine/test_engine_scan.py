@@ -34,7 +34,6 @@ from deepinfer_jax.models.common.layer_runs import (
     LayerStack,
     has_stacks,
     iter_layers,
-    layer_count,
     run_layers,
     stack_layers,
     unstack_layers,
@@ -68,7 +67,7 @@ def test_stack_layers_finds_runs_of_one_structure():
     assert [type(s).__name__ for s in segs] == ["dict", "LayerStack", "dict", "dict"]
     stack = segs[1]
     assert (stack.start, stack.count) == (1, 3) and stack.params["w"].shape == (3, 4, 4)
-    assert layer_count(segs) == 6 and has_stacks(segs)
+    assert len(unstack_layers(segs)) == 6 and has_stacks(segs)
     two = stack_layers(layers, min_run=2)
     assert [(s.start, s.count) for s in two if isinstance(s, LayerStack)] == [(1, 3), (4, 2)]
     assert not has_stacks(stack_layers(layers, min_run=0))

@@ -8,9 +8,10 @@ leading axis); :func:`run_layers` runs a list of such segments, a ``lax.scan`` o
 each single layer, so a stack costs one layer's compilation however many layers it holds.
 
 Inside a stack the layer index is a traced ``int32`` scalar (the body indexes caches with it: ``cache[layer]``
-becomes a dynamic slice); outside it stays a Python int, as in the unrolled forward. The numerics are the unrolled
-forward's: the same functions run in the same order on the same values (the scanned V3 engine gives the unrolled
-engine's tokens, ``tests/engine/test_engine_scan.py``).
+becomes a dynamic slice); outside it stays a Python int, as in the unrolled forward. The same functions run in the
+same order on the same values, but XLA fuses a scan body and unrolled layers differently: float32 results differ by
+reassociation only (the scanned V3 engine gives the unrolled engine's tokens, ``tests/engine/test_engine_scan.py``),
+bfloat16 ones more, through XLA's excess-precision simplification (docs/engine.md, "Scanned layers").
 
 While a training tap is collecting (:mod:`.taps`) a stack is run unrolled, layer by layer, because a tap's values
 must not leave the trace of the scan body.
@@ -32,7 +33,6 @@ __all__ = [
     "LayerStack",
     "has_stacks",
     "iter_layers",
-    "layer_count",
     "run_layers",
     "stack_layers",
     "unstack_layers",
@@ -81,12 +81,12 @@ def stack_layers(layers: Sequence[Any], *, min_run: int) -> list[Segment]:
     flat = unstack_layers(layers) if has_stacks(layers) else list(layers)
     if min_run == 0:
         return flat
+    sigs = [_signature(tree) for tree in flat]
     out: list[Segment] = []
     i = 0
     while i < len(flat):
-        sig = _signature(flat[i])
         j = i + 1
-        while j < len(flat) and _signature(flat[j]) == sig:
+        while j < len(flat) and sigs[j] == sigs[i]:
             j += 1
         if j - i >= min_run:
             out.append(LayerStack(jax.tree.map(_stack_leaf, *flat[i:j]), i, j - i))
@@ -99,11 +99,6 @@ def stack_layers(layers: Sequence[Any], *, min_run: int) -> list[Segment]:
 def has_stacks(layers: Sequence[Segment]) -> bool:
     """Whether ``layers`` holds a :class:`LayerStack`."""
     return any(isinstance(seg, LayerStack) for seg in layers)
-
-
-def layer_count(layers: Sequence[Segment]) -> int:
-    """The number of layers ``layers`` holds (a stack counts its layers)."""
-    return sum(seg.count if isinstance(seg, LayerStack) else 1 for seg in layers)
 
 
 def iter_layers(layers: Sequence[Segment]) -> Iterator[tuple[int, Any]]:
