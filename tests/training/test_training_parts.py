@@ -186,6 +186,47 @@ def test_v41_export_stores_the_real_checkpoint_formats():
         weights.export_tensors(qcfg, {**tensors, "extra": np.zeros(2, np.float32)})
 
 
+@pytest.mark.parametrize("recipe", [small_v41_recipe, small_v3_recipe])
+def test_import_reads_back_the_stored_values(recipe):
+    """import_tensors dequantises every stored format: each value is what the export stored (the export's own
+    reference codecs above), within the format's step of the float32 original, and exporting the imported values
+    stores the same values again (quantisation is idempotent on its grid)."""
+    cfg, qcfg = _float_cfg(recipe())
+    rng = np.random.default_rng(5)
+    tensors = {
+        k: v + rng.standard_normal(v.shape).astype(np.float32) * 0.01
+        for k, v in weights.init_tensors(cfg, 1).items()
+    }
+    stored = weights.export_tensors(qcfg, tensors)
+    back = weights.import_tensors(qcfg, stored)
+    assert back.keys() == tensors.keys() and all(v.dtype == np.float32 for v in back.values())
+    for name, value in back.items():
+        # E2M1 keeps 1 mantissa bit (relative step 1/2 of the block maximum's power of two), E4M3 3, BF16 8.
+        err = np.abs(value - tensors[name]).max()
+        assert err <= 0.5 * np.abs(tensors[name]).max() + 1e-6, name
+    again = weights.import_tensors(qcfg, weights.export_tensors(qcfg, back))
+    assert all(np.array_equal(again[n], back[n]) for n in back)
+    if recipe is small_v41_recipe:
+        name = "layers.1.attn.wq_b.weight"
+        np.testing.assert_array_equal(
+            back[name], _fp8_block_reference(tensors[name], (32, 32)).astype(np.float32)
+        )
+        name = "layers.2.ffn.experts.1.w2.weight"
+        np.testing.assert_array_equal(back[name], np_mxfp4(tensors[name]).astype(np.float32))
+        name = "layers.0.engram.embed.weight"
+        np.testing.assert_array_equal(
+            back[name], _fp8_block_reference(tensors[name], (1, 32)).astype(np.float32)
+        )
+        assert np.array_equal(
+            back["embed.weight"], tensors["embed.weight"].astype(ml_dtypes.bfloat16).astype(np.float32)
+        )
+    with pytest.raises(ValueError, match=r"not in the .* contract"):
+        weights.import_tensors(qcfg, {**stored, "extra": np.zeros(2, np.float32)})
+    scale = next(n for n in stored if n.endswith((".scale", ".weight_scale_inv")))
+    with pytest.raises(ValueError, match=r"the scale .* is missing"):
+        weights.import_tensors(qcfg, {k: v for k, v in stored.items() if k != scale})
+
+
 def test_v3_export_uses_float32_scale_inv_blocks():
     cfg, qcfg = _float_cfg(small_v3_recipe())
     tensors = {k: v + np.float32(0.01) for k, v in weights.init_tensors(cfg, 0).items()}
