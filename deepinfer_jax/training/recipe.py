@@ -182,9 +182,9 @@ def export_folder(
 def _backbone_source(
     recipe: Recipe, model: Mapping[str, Any], tokenizer_text: str, folder: Path
 ) -> dict[str, Any]:
-    """The backbone of an earlier export of ``recipe`` (``run_recipe``'s ``backbone_from``): its stored tensors,
-    their float32 values, its record and the SHA-256 of its ``model.safetensors``; a folder with another config or
-    tokenizer is refused."""
+    """The backbone of an earlier export of ``recipe`` (``run_recipe``'s ``backbone_from``): its stored tensors
+    and their float32 values (both without the drafter's ``mtp.*``), its record and the SHA-256 of its
+    ``model.safetensors``; a folder with another config or tokenizer is refused."""
     import hashlib
 
     from deepinfer_jax.checkpoint.reader import open_checkpoint
@@ -207,9 +207,13 @@ def _backbone_source(
     with open_checkpoint(folder) as reader:
         stored = dict(reader.read_many(reader.names()))
     digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+
+    def backbone(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {n: a for n, a in tensors.items() if not n.startswith("mtp.")}
+
     return {
-        "stored": stored,
-        "tensors": weights.import_tensors(qcfg, stored),
+        "stored": backbone(stored),
+        "tensors": backbone(weights.import_tensors(qcfg, stored)),
         "record": json.loads((folder / "training.json").read_text(encoding="utf-8")),
         "sha256": digest,
     }
@@ -299,7 +303,7 @@ def run_recipe(
         if steps is not None:
             raise ValueError("run_recipe: steps overrides the backbone phase, which backbone_from skips")
         source = _backbone_source(recipe, model, tokenizer_text, Path(backbone_from))
-        tensors.update({n: v for n, v in source["tensors"].items() if not n.startswith("mtp.")})
+        tensors.update(source["tensors"])
     bias_names = objectives.router_bias_names(cfg)
     backbone_names = [n for n in weights.trainable_names(cfg, drafter=False) if n not in bias_names]
     settings = recipe.backbone if steps is None else dataclasses.replace(recipe.backbone, steps=steps)
@@ -420,7 +424,7 @@ def run_recipe(
         }
     t0 = time.perf_counter()
     quantised = model
-    keep = None if source is None else {n: a for n, a in source["stored"].items() if not n.startswith("mtp.")}
+    keep = None if source is None else source["stored"]
     export_folder(out / "model", quantised, tensors, tokenizer_text, record, keep=keep)
     export_folder(out / "float32", _float_config(model), tensors, tokenizer_text, record)
     record["export_s"] = time.perf_counter() - t0
